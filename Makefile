@@ -1,0 +1,28 @@
+# meshtun — see README.md.
+GO      ?= go
+BIN     := bin/meshtun
+PKGS    := ./...
+
+.PHONY: all build test unit e2e vet fuzz bench demo clean
+
+all: build
+
+build:
+	$(GO) build -o $(BIN) ./cmd/meshtun
+
+vet:
+	$(GO) vet $(PKGS)
+
+# test runs everything CI runs: vet, unit tests, a short fuzz pass over the
+# packet classifier, and the end-to-end tests on the network-namespace
+# cluster (these need root and /dev/net/tun; they fail, not skip, without).
+test: vet build
+	$(GO) test -count=1 -timeout 30m $(PKGS)
+	$(GO) test -run '^$$' -fuzz FuzzClassify -fuzztime 20s ./stack/classify
+
+bench: build
+	$(GO) test -run '^$$' -bench . -benchmem ./stack/classify
+	$(GO) test -run '^$$' -bench . -benchtime 3x ./test/e2e
+
+clean:
+	rm -rf bin
