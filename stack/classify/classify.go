@@ -1,0 +1,475 @@
+package classify
+
+import (
+	"context"
+	"math/bits"
+	"math/rand/v2"
+	"net/netip"
+	"strconv"
+	"sync/atomic"
+	"time"
+)
+
+// Verdict is what to do with a packet read from the TUN.
+type Verdict uint8
+
+const (
+	// Verbatim: write the packet back into the TUN unchanged.
+	Verbatim Verdict = iota
+	// Intercept: hand the packet to the netstack.
+	Intercept
+	// Drop: discard the packet; the DropReason says why.
+	Drop
+)
+
+// String returns "verbatim", "intercept" or "drop".
+func (v Verdict) String() string {
+	switch v {
+	case Verbatim:
+		return "verbatim"
+	case Intercept:
+		return "intercept"
+	case Drop:
+		return "drop"
+	}
+	return "verdict(" + strconv.Itoa(int(v)) + ")"
+}
+
+// DropReason says why a packet was dropped.
+type DropReason uint8
+
+const (
+	// NoDrop is the reason returned with Verbatim and Intercept.
+	NoDrop DropReason = iota
+	// TooShort: shorter than the fixed IPv4 (20 bytes) or IPv6 (40 bytes)
+	// header, or empty.
+	TooShort
+	// BadVersion: the version nibble is neither 4 nor 6.
+	BadVersion
+	// BadHeaderLength: IPv4 IHL below 5.
+	BadHeaderLength
+	// HeaderTruncated: the IPv4 header (IHL) extends past the packet.
+	HeaderTruncated
+	// BadTotalLength: IPv4 total length smaller than the header.
+	BadTotalLength
+	// Truncated: the packet is shorter than its IPv4 total length or its
+	// IPv6 payload length says.
+	Truncated
+	// ExtHeaderTruncated: an IPv6 extension header extends past the
+	// payload.
+	ExtHeaderTruncated
+	// TooManyExtHeaders: more than 8 IPv6 extension headers before TCP.
+	TooManyExtHeaders
+	// TCPTruncated: the TCP header (20 bytes, or its data offset) extends
+	// past the IP payload.
+	TCPTruncated
+	// BadTCPDataOffset: TCP data offset below 5.
+	BadTCPDataOffset
+	// TableFull: a SYN the policy selects arrived while the flow table was
+	// full. It is dropped, not forwarded, so that mesh traffic never
+	// bypasses the mesh; the client will retransmit.
+	TableFull
+
+	numDropReasons = iota
+)
+
+var dropReasonNames = [numDropReasons]string{
+	NoDrop:             "none",
+	TooShort:           "too-short",
+	BadVersion:         "bad-version",
+	BadHeaderLength:    "bad-header-length",
+	HeaderTruncated:    "header-truncated",
+	BadTotalLength:     "bad-total-length",
+	Truncated:          "truncated",
+	ExtHeaderTruncated: "ext-header-truncated",
+	TooManyExtHeaders:  "too-many-ext-headers",
+	TCPTruncated:       "tcp-truncated",
+	BadTCPDataOffset:   "bad-tcp-data-offset",
+	TableFull:          "table-full",
+}
+
+// String returns a short kebab-case name such as "table-full".
+func (r DropReason) String() string {
+	if int(r) < len(dropReasonNames) {
+		return dropReasonNames[r]
+	}
+	return "drop-reason(" + strconv.Itoa(int(r)) + ")"
+}
+
+// Policy decides which new TCP connections are taken into the netstack.
+// InterceptTCP is called once per SYN from the TUN, with the SYN's source
+// and destination; it must not allocate and must be safe for concurrent
+// use.
+type Policy interface {
+	InterceptTCP(src netip.AddrPort, dst netip.AddrPort) bool
+}
+
+// PolicyFunc adapts a function to Policy.
+type PolicyFunc func(src, dst netip.AddrPort) bool
+
+// InterceptTCP calls f(src, dst).
+func (f PolicyFunc) InterceptTCP(src, dst netip.AddrPort) bool { return f(src, dst) }
+
+// Config configures a Classifier. Zero fields take the defaults.
+type Config struct {
+	// MaxFlows bounds the flow table; default 65536.
+	MaxFlows int
+	// SynTimeout expires flows that saw a SYN but no reply or ACK;
+	// default 60s.
+	SynTimeout time.Duration
+	// IdleTimeout expires established flows without packets; default
+	// 24h. Expiring a live proxied connection breaks it, so keep it long.
+	IdleTimeout time.Duration
+	// CloseTimeout is how long a flow stays after a RST or the second FIN,
+	// so that packets in flight still reach the netstack; default 15s.
+	CloseTimeout time.Duration
+	// Policy selects the SYNs to intercept; nil intercepts nothing.
+	Policy Policy
+}
+
+// Defaults for zero Config fields.
+const (
+	DefaultMaxFlows     = 65536
+	DefaultSynTimeout   = 60 * time.Second
+	DefaultIdleTimeout  = 24 * time.Hour
+	DefaultCloseTimeout = 15 * time.Second
+)
+
+// Stats is a snapshot of a Classifier's counters.
+type Stats struct {
+	// Packets passed to Inbound, by verdict.
+	Verbatim, Intercepted, Dropped uint64
+	// DropsByReason counts Inbound drops, indexed by DropReason.
+	DropsByReason [numDropReasons]uint64
+
+	// Packets passed to Outbound.
+	Outbound uint64
+	// OutboundMalformed counts Outbound packets that could not be parsed.
+	OutboundMalformed uint64
+	// OutboundNoFlow counts Outbound TCP packets (not SYNs) of no known
+	// flow, typically packets sent after their flow expired.
+	OutboundNoFlow uint64
+	// OutboundTableFull counts Outbound SYNs not registered because the
+	// table was full: replies to them will be forwarded verbatim.
+	OutboundTableFull uint64
+
+	// FlowsInserted counts flows started (by Inbound or Outbound SYNs).
+	FlowsInserted uint64
+	// FlowsExpired counts flows removed by Sweep.
+	FlowsExpired uint64
+	// FlowsReplaced counts closed flows removed before their
+	// CloseTimeout, to make room in a full table or because a new SYN
+	// reused their addresses and ports.
+	FlowsReplaced uint64
+	// Flows is the current number of flows in the table.
+	Flows int
+}
+
+// counters are the Classifier's statistics.
+type counters struct {
+	verbatim, intercepted, dropped atomic.Uint64
+	drops                          [numDropReasons]atomic.Uint64
+	outbound, outMalformed         atomic.Uint64
+	outNoFlow, outTableFull        atomic.Uint64
+	inserted, expired, replaced    atomic.Uint64
+}
+
+type policyBox struct{ p Policy }
+
+// Classifier classifies the packets of one TUN device. Create it with New.
+type Classifier struct {
+	seed       [6]uint64
+	shards     []shard
+	shardShift uint // 64 - log2(len(shards))
+	maxFlows   int64
+	count      atomic.Int64 // flows in all shards
+
+	synTimeout, idleTimeout, closeTimeout int64 // nanoseconds
+
+	base  time.Time    // origin of the coarse clock
+	clock atomic.Int64 // nanoseconds since base, advanced by Sweep
+
+	policy atomic.Pointer[policyBox]
+	st     counters
+}
+
+// New returns a Classifier with its flow table allocated up front (112 to
+// 224 bytes per flow of MaxFlows).
+func New(cfg Config) *Classifier {
+	if cfg.MaxFlows <= 0 {
+		cfg.MaxFlows = DefaultMaxFlows
+	}
+	if cfg.SynTimeout <= 0 {
+		cfg.SynTimeout = DefaultSynTimeout
+	}
+	if cfg.IdleTimeout <= 0 {
+		cfg.IdleTimeout = DefaultIdleTimeout
+	}
+	if cfg.CloseTimeout <= 0 {
+		cfg.CloseTimeout = DefaultCloseTimeout
+	}
+	c := &Classifier{
+		maxFlows:     int64(cfg.MaxFlows),
+		synTimeout:   int64(cfg.SynTimeout),
+		idleTimeout:  int64(cfg.IdleTimeout),
+		closeTimeout: int64(cfg.CloseTimeout),
+		base:         time.Now(),
+	}
+	for i := range c.seed {
+		c.seed[i] = rand.Uint64() | 1
+	}
+	// One shard per 1024 flows, at most 64; each shard has room for
+	// twice its share, so an uneven spread does not fill one early.
+	nShards := 1
+	for nShards < 64 && nShards*1024 < cfg.MaxFlows {
+		nShards *= 2
+	}
+	c.shardShift = uint(64 - bits.TrailingZeros(uint(nShards)))
+	per := (cfg.MaxFlows + nShards - 1) / nShards
+	slots := 8
+	for slots < 2*per {
+		slots *= 2
+	}
+	c.shards = make([]shard, nShards)
+	for i := range c.shards {
+		c.shards[i].init(slots)
+	}
+	c.SetPolicy(cfg.Policy)
+	return c
+}
+
+// SetPolicy replaces the policy for SYNs that arrive from now on; flows
+// already in the table are not affected. Nil intercepts nothing. Safe to
+// call while packets are being classified.
+func (c *Classifier) SetPolicy(p Policy) {
+	c.policy.Store(&policyBox{p})
+}
+
+func (c *Classifier) shardFor(h uint64) *shard {
+	if len(c.shards) == 1 {
+		return &c.shards[0]
+	}
+	return &c.shards[h>>c.shardShift]
+}
+
+// Inbound classifies a packet read from the TUN.
+func (c *Classifier) Inbound(pkt []byte) (Verdict, DropReason) {
+	var seg segment
+	res, reason := parse(pkt, true, &seg)
+	var v Verdict
+	switch res {
+	case parsedOther:
+		v = Verbatim
+	case parsedMalformed:
+		v = Drop
+	default:
+		v, reason = c.inboundTCP(pkt, &seg)
+	}
+	switch v {
+	case Verbatim:
+		c.st.verbatim.Add(1)
+	case Intercept:
+		c.st.intercepted.Add(1)
+	default:
+		c.st.dropped.Add(1)
+		c.st.drops[reason].Add(1)
+	}
+	return v, reason
+}
+
+// isSYN reports whether TCP flags open a connection.
+func isSYN(flags uint8) bool {
+	return flags&(tcpSYN|tcpACK|tcpRST|tcpFIN) == tcpSYN
+}
+
+func (c *Classifier) inboundTCP(pkt []byte, seg *segment) (Verdict, DropReason) {
+	h := seg.key.hash(&c.seed)
+	s := c.shardFor(h)
+	now := c.clock.Load()
+	if !isSYN(seg.flags) {
+		s.mu.Lock()
+		i, ok := s.lookup(&seg.key, uint32(h))
+		if ok {
+			s.track(&s.slots[i], seg.fromLo, seg.flags, now)
+		}
+		s.mu.Unlock()
+		if ok {
+			return Intercept, NoDrop
+		}
+		return Verbatim, NoDrop
+	}
+
+	// A SYN: ask the policy before taking the lock (it may be slow).
+	want := c.wants(pkt, seg)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	i, ok := s.lookup(&seg.key, uint32(h))
+	if ok {
+		f := &s.slots[i]
+		if f.state != stateClosed {
+			// A retransmitted SYN of a live flow.
+			s.track(f, seg.fromLo, seg.flags, now)
+			return Intercept, NoDrop
+		}
+		// The addresses and ports of a closed flow are being reused.
+		c.st.replaced.Add(1)
+		if !want {
+			s.remove(i)
+			c.count.Add(-1)
+			return Verbatim, NoDrop
+		}
+		s.reopen(f, seg.fromLo, now)
+		c.st.inserted.Add(1)
+		return Intercept, NoDrop
+	}
+	if !want {
+		return Verbatim, NoDrop
+	}
+	if !c.insert(s, i, &seg.key, uint32(h), seg.fromLo, now) {
+		return Drop, TableFull
+	}
+	return Intercept, NoDrop
+}
+
+// wants asks the policy about the SYN seg of pkt.
+func (c *Classifier) wants(pkt []byte, seg *segment) bool {
+	p := c.policy.Load().p
+	if p == nil {
+		return false
+	}
+	var src, dst netip.Addr
+	if seg.v6 {
+		src = netip.AddrFrom16([16]byte(pkt[8:24]))
+		dst = netip.AddrFrom16([16]byte(pkt[24:40]))
+	} else {
+		src = netip.AddrFrom4([4]byte(pkt[12:16]))
+		dst = netip.AddrFrom4([4]byte(pkt[16:20]))
+	}
+	return p.InterceptTCP(netip.AddrPortFrom(src, seg.sport), netip.AddrPortFrom(dst, seg.dport))
+}
+
+// insert adds a new flow to shard s (locked), whose empty slot for the key
+// is i. If the table is full it first evicts the oldest closed flow of s.
+func (c *Classifier) insert(s *shard, i int, k *flowKey, h uint32, initLo bool, now int64) bool {
+	if s.n >= s.limit || c.count.Load() >= c.maxFlows {
+		if !s.evictOldestClosed() {
+			return false
+		}
+		c.count.Add(-1)
+		c.st.replaced.Add(1)
+		// The eviction may have shifted the probe chain.
+		i, _ = s.lookup(k, h)
+	}
+	if c.count.Add(1) > c.maxFlows {
+		c.count.Add(-1)
+		return false
+	}
+	s.put(i, k, h, initLo, now)
+	c.st.inserted.Add(1)
+	return true
+}
+
+// Outbound tells the classifier about a packet the netstack writes to the
+// TUN. hdr must hold at least the IP and TCP headers; the payload may be
+// cut off. A SYN registers a flow so that its replies are intercepted; other
+// TCP packets keep their flow alive and track FIN and RST.
+func (c *Classifier) Outbound(hdr []byte) {
+	c.st.outbound.Add(1)
+	var seg segment
+	switch res, _ := parse(hdr, false, &seg); res {
+	case parsedOther:
+		return
+	case parsedMalformed:
+		c.st.outMalformed.Add(1)
+		return
+	}
+	h := seg.key.hash(&c.seed)
+	s := c.shardFor(h)
+	now := c.clock.Load()
+	syn := isSYN(seg.flags)
+	s.mu.Lock()
+	i, ok := s.lookup(&seg.key, uint32(h))
+	switch {
+	case ok && syn && s.slots[i].state == stateClosed:
+		c.st.replaced.Add(1)
+		c.st.inserted.Add(1)
+		s.reopen(&s.slots[i], seg.fromLo, now)
+	case ok:
+		s.track(&s.slots[i], seg.fromLo, seg.flags, now)
+	case syn:
+		if !c.insert(s, i, &seg.key, uint32(h), seg.fromLo, now) {
+			c.st.outTableFull.Add(1)
+		}
+	default:
+		c.st.outNoFlow.Add(1)
+	}
+	s.mu.Unlock()
+}
+
+// Sweep advances the coarse clock to now and removes the flows that have
+// outlived their timeout. It returns the number removed.
+func (c *Classifier) Sweep(now time.Time) int {
+	t := now.Sub(c.base).Nanoseconds()
+	for {
+		old := c.clock.Load()
+		if t <= old {
+			t = old
+			break
+		}
+		if c.clock.CompareAndSwap(old, t) {
+			break
+		}
+	}
+	removed := 0
+	for i := range c.shards {
+		removed += c.shards[i].sweep(t, c.synTimeout, c.idleTimeout, c.closeTimeout)
+	}
+	if removed > 0 {
+		c.count.Add(-int64(removed))
+		c.st.expired.Add(uint64(removed))
+	}
+	return removed
+}
+
+// Run calls Sweep every interval (1s if every <= 0) until ctx is done. The
+// interval is also the resolution of the clock timeouts are measured with.
+func (c *Classifier) Run(ctx context.Context, every time.Duration) {
+	if every <= 0 {
+		every = time.Second
+	}
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case now := <-t.C:
+			c.Sweep(now)
+		}
+	}
+}
+
+// Len returns the number of flows in the table.
+func (c *Classifier) Len() int { return int(c.count.Load()) }
+
+// Stats returns a snapshot of the counters. Counters are read one by one,
+// so under load they may be off from each other by a few packets.
+func (c *Classifier) Stats() Stats {
+	s := Stats{
+		Verbatim:          c.st.verbatim.Load(),
+		Intercepted:       c.st.intercepted.Load(),
+		Dropped:           c.st.dropped.Load(),
+		Outbound:          c.st.outbound.Load(),
+		OutboundMalformed: c.st.outMalformed.Load(),
+		OutboundNoFlow:    c.st.outNoFlow.Load(),
+		OutboundTableFull: c.st.outTableFull.Load(),
+		FlowsInserted:     c.st.inserted.Load(),
+		FlowsExpired:      c.st.expired.Load(),
+		FlowsReplaced:     c.st.replaced.Load(),
+		Flows:             c.Len(),
+	}
+	for i := range s.DropsByReason {
+		s.DropsByReason[i] = c.st.drops[i].Load()
+	}
+	return s
+}

@@ -1,0 +1,43 @@
+// Package classify decides, per packet read from the TUN device, whether
+// meshtun intercepts it (hands it to the gVisor netstack), forwards it
+// verbatim (writes the same bytes back into the TUN so the kernel routes it
+// on as if meshtun were not there) or drops it. It takes the place of the
+// iptables rules and the conntrack table a sidecar or ztunnel would use.
+//
+// Packets are raw IPv4 or IPv6 datagrams (no link or packet-info header).
+// The rules, in order:
+//
+//   - Malformed packets are dropped with a [DropReason]: shorter than the
+//     fixed IP header, a version nibble other than 4 or 6, an IPv4 header
+//     length below 5 words or beyond the packet, an IP length field that
+//     disagrees with the packet, a truncated or over-long IPv6 extension
+//     header chain, a truncated TCP header or a TCP data offset below 5.
+//   - Everything that is not TCP is verbatim: UDP, ICMP, ICMPv6 and any other
+//     protocol, and also IPv4 fragments (MF set or a non-zero offset) and
+//     IPv6 packets carrying a Fragment header, since the TCP header cannot be
+//     trusted or even found in them. IPv6 hop-by-hop, routing and destination
+//     options headers are skipped (at most 8 of them) to find TCP.
+//   - A TCP SYN (SYN set; ACK, RST and FIN clear) that the [Policy] selects
+//     starts an intercepted flow. Every later packet of that flow, in either
+//     direction, is intercepted.
+//   - The netstack reports each packet it writes to the TUN through
+//     [Classifier.Outbound]. An outbound SYN registers a flow the netstack
+//     originated, so that the replies arriving from the TUN are intercepted.
+//   - Any other TCP packet (one of a flow that was not intercepted, a reply
+//     to a connection the node itself opened, a SYN the policy does not
+//     select) is verbatim.
+//
+// Flows live in a bounded table. When it is full, a SYN that would be
+// intercepted is dropped with [TableFull] rather than let through verbatim:
+// mesh traffic must never bypass the mesh. Before giving up, the table evicts
+// the oldest flow that is already closing. A flow that has not yet seen a
+// reply expires after [Config.SynTimeout], an established flow after
+// [Config.IdleTimeout] without packets, and a flow that saw a RST (in either
+// direction) or a FIN in both directions [Config.CloseTimeout] after that;
+// packets still in flight in that grace period keep going to the netstack.
+// Expiry happens only in [Classifier.Sweep], which also advances the coarse
+// clock the per-packet path reads instead of calling time.Now.
+//
+// Inbound, Outbound and Sweep are safe for concurrent use; the table is
+// split into mutex-protected shards. The per-packet paths do not allocate.
+package classify
