@@ -1,0 +1,163 @@
+package tun
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+)
+
+const (
+	// DefaultTable is the routing table meshtun installs its routes into:
+	// 0x6d74, "mt" in ASCII.
+	DefaultTable = 0x6d74
+	// DefaultPriority is the priority of meshtun's policy-routing rules. It
+	// sits before the main table's rule (32766) and after the local table's
+	// (0), so locally addressed packets are never captured.
+	DefaultPriority = 0x6d74
+)
+
+// RoutingConfig says which traffic is routed into the TUN device.
+type RoutingConfig struct {
+	Table    int // routing table; 0 means DefaultTable
+	Priority int // rule priority; 0 means DefaultPriority
+
+	// CaptureLinks are the node-side links of the captured pods (the host
+	// end of each pod's veth). Every packet arriving on one of them is
+	// routed into the TUN: "ip rule add iif <link> lookup <table>".
+	CaptureLinks []string
+	// Uplinks are the node's links towards other nodes. Packets arriving on
+	// them for a captured pod address are routed into the TUN:
+	// "ip rule add to <prefix> iif <uplink> lookup <table>".
+	Uplinks []string
+	// PodPrefixes are the addresses (or ranges) of the captured pods.
+	PodPrefixes []netip.Prefix
+}
+
+// Routing is the set of rules and routes installed for one TUN device.
+type Routing struct {
+	rules  []*netlink.Rule
+	routes []*netlink.Route
+}
+
+// InstallRouting removes whatever an earlier run left in the table and then
+// installs: a default route for IPv4 and IPv6 through dev in the table, and
+// the capture rules of cfg. On error it removes what it had installed.
+func InstallRouting(dev *Device, cfg RoutingConfig) (*Routing, error) {
+	if cfg.Table == 0 {
+		cfg.Table = DefaultTable
+	}
+	if cfg.Priority == 0 {
+		cfg.Priority = DefaultPriority
+	}
+	if err := RemoveStale(cfg.Table); err != nil {
+		return nil, err
+	}
+	r := &Routing{}
+	for _, dst := range []*net.IPNet{
+		{IP: net.IPv4zero, Mask: net.CIDRMask(0, 32)},
+		{IP: net.IPv6zero, Mask: net.CIDRMask(0, 128)},
+	} {
+		rt := &netlink.Route{LinkIndex: dev.Index(), Dst: dst, Table: cfg.Table, Scope: netlink.SCOPE_LINK}
+		if err := netlink.RouteAdd(rt); err != nil {
+			r.Close()
+			return nil, fmt.Errorf("tun: add route %s dev %s table %d: %w", dst, dev.Name(), cfg.Table, err)
+		}
+		r.routes = append(r.routes, rt)
+	}
+	for _, link := range cfg.CaptureLinks {
+		for _, family := range []int{unix.AF_INET, unix.AF_INET6} {
+			rule := newRule(cfg, family)
+			rule.IifName = link
+			if err := r.addRule(rule); err != nil {
+				return nil, err
+			}
+		}
+	}
+	for _, p := range cfg.PodPrefixes {
+		for _, uplink := range cfg.Uplinks {
+			family := unix.AF_INET
+			if p.Addr().Is6() {
+				family = unix.AF_INET6
+			}
+			rule := newRule(cfg, family)
+			rule.IifName = uplink
+			rule.Dst = prefixToIPNet(p)
+			if err := r.addRule(rule); err != nil {
+				return nil, err
+			}
+		}
+	}
+	return r, nil
+}
+
+func newRule(cfg RoutingConfig, family int) *netlink.Rule {
+	rule := netlink.NewRule()
+	rule.Family = family
+	rule.Table = cfg.Table
+	rule.Priority = cfg.Priority
+	return rule
+}
+
+func (r *Routing) addRule(rule *netlink.Rule) error {
+	if err := netlink.RuleAdd(rule); err != nil {
+		r.Close()
+		return fmt.Errorf("tun: add rule %s: %w", rule, err)
+	}
+	r.rules = append(r.rules, rule)
+	return nil
+}
+
+// Close removes the rules and routes. Routes through the TUN also vanish
+// when the device is closed; removing them here keeps the order explicit.
+func (r *Routing) Close() error {
+	var errs []error
+	for _, rule := range r.rules {
+		if err := netlink.RuleDel(rule); err != nil && !errors.Is(err, unix.ENOENT) {
+			errs = append(errs, fmt.Errorf("tun: delete rule %s: %w", rule, err))
+		}
+	}
+	for _, rt := range r.routes {
+		if err := netlink.RouteDel(rt); err != nil && !errors.Is(err, unix.ESRCH) && !errors.Is(err, unix.ENODEV) {
+			errs = append(errs, fmt.Errorf("tun: delete route %s: %w", rt, err))
+		}
+	}
+	r.rules, r.routes = nil, nil
+	return errors.Join(errs...)
+}
+
+// RemoveStale deletes every policy rule that points at table and every
+// route in it, for IPv4 and IPv6: the leftovers of a run that did not exit
+// cleanly.
+func RemoveStale(table int) error {
+	var errs []error
+	for _, family := range []int{unix.AF_INET, unix.AF_INET6} {
+		rules, err := netlink.RuleListFiltered(family, &netlink.Rule{Table: table}, netlink.RT_FILTER_TABLE)
+		if err != nil {
+			return fmt.Errorf("tun: list rules: %w", err)
+		}
+		for i := range rules {
+			if err := netlink.RuleDel(&rules[i]); err != nil && !errors.Is(err, unix.ENOENT) {
+				errs = append(errs, fmt.Errorf("tun: delete stale rule %s: %w", rules[i], err))
+			}
+		}
+		routes, err := netlink.RouteListFiltered(family, &netlink.Route{Table: table}, netlink.RT_FILTER_TABLE)
+		if err != nil {
+			return fmt.Errorf("tun: list routes of table %d: %w", table, err)
+		}
+		for i := range routes {
+			if err := netlink.RouteDel(&routes[i]); err != nil && !errors.Is(err, unix.ESRCH) {
+				errs = append(errs, fmt.Errorf("tun: delete stale route %s: %w", routes[i], err))
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func prefixToIPNet(p netip.Prefix) *net.IPNet {
+	p = p.Masked()
+	return &net.IPNet{IP: net.IP(p.Addr().AsSlice()), Mask: net.CIDRMask(p.Bits(), p.Addr().BitLen())}
+}
