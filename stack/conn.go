@@ -1,0 +1,134 @@
+package stack
+
+import (
+	"errors"
+	"io"
+	"net"
+	"net/netip"
+	"syscall"
+
+	"gvisor.dev/gvisor/pkg/tcpip"
+	"gvisor.dev/gvisor/pkg/tcpip/adapters/gonet"
+	"gvisor.dev/gvisor/pkg/tcpip/transport/tcp"
+	"gvisor.dev/gvisor/pkg/waiter"
+)
+
+// TCPRequest is an intercepted TCP connection whose handshake is pending.
+type TCPRequest struct {
+	// Src is the client's address: the original source of the SYN.
+	Src netip.AddrPort
+	// Dst is the address the client connected to: the original destination.
+	Dst netip.AddrPort
+
+	r  *tcp.ForwarderRequest
+	st *Stack
+}
+
+func (st *Stack) newRequest(r *tcp.ForwarderRequest) *TCPRequest {
+	id := r.ID()
+	return &TCPRequest{
+		Src: addrPort(id.RemoteAddress, id.RemotePort),
+		Dst: addrPort(id.LocalAddress, id.LocalPort),
+		r:   r,
+		st:  st,
+	}
+}
+
+// Accept completes the handshake with the client and returns the
+// connection.
+func (q *TCPRequest) Accept() (*Conn, error) {
+	var wq waiter.Queue
+	ep, terr := q.r.CreateEndpoint(&wq)
+	if terr != nil {
+		q.r.Complete(true)
+		return nil, &net.OpError{Op: "accept", Net: "tcp", Source: net.TCPAddrFromAddrPort(q.Src), Addr: net.TCPAddrFromAddrPort(q.Dst), Err: tcpipError(terr)}
+	}
+	q.r.Complete(false)
+	ep.SocketOptions().SetKeepAlive(true)
+	return newConn(&wq, ep, q.Dst, q.Src), nil
+}
+
+// Reject refuses the connection with a TCP reset, as a host with nothing
+// listening on the port would.
+func (q *TCPRequest) Reject() { q.r.Complete(true) }
+
+// Conn is a TCP connection terminated in the netstack. LocalAddr is the
+// address the netstack stands in for, RemoteAddr the peer's.
+type Conn struct {
+	*gonet.TCPConn
+	ep            tcpip.Endpoint
+	local, remote netip.AddrPort
+}
+
+func newConn(wq *waiter.Queue, ep tcpip.Endpoint, local, remote netip.AddrPort) *Conn {
+	return &Conn{TCPConn: gonet.NewTCPConn(wq, ep), ep: ep, local: local, remote: remote}
+}
+
+// LocalAddrPort returns the connection's local address.
+func (c *Conn) LocalAddrPort() netip.AddrPort { return c.local }
+
+// RemoteAddrPort returns the connection's remote address.
+func (c *Conn) RemoteAddrPort() netip.AddrPort { return c.remote }
+
+// LocalAddr implements net.Conn.
+func (c *Conn) LocalAddr() net.Addr { return net.TCPAddrFromAddrPort(c.local) }
+
+// RemoteAddr implements net.Conn.
+func (c *Conn) RemoteAddr() net.Addr { return net.TCPAddrFromAddrPort(c.remote) }
+
+// Read implements net.Conn. A reset by the peer is reported as an error
+// matching syscall.ECONNRESET, as it is on a kernel socket.
+func (c *Conn) Read(b []byte) (int, error) {
+	n, err := c.TCPConn.Read(b)
+	return n, c.translate(err)
+}
+
+// Write implements net.Conn, with errors translated as for Read.
+func (c *Conn) Write(b []byte) (int, error) {
+	n, err := c.TCPConn.Write(b)
+	return n, c.translate(err)
+}
+
+// Reset aborts the connection: the peer receives a TCP RST instead of a FIN.
+func (c *Conn) Reset() error {
+	c.ep.Abort()
+	return c.TCPConn.Close()
+}
+
+var (
+	resetText = (&tcpip.ErrConnectionReset{}).String()
+	abortText = (&tcpip.ErrConnectionAborted{}).String()
+)
+
+// translate turns gonet's string-only errors for a reset connection back
+// into errors that errors.Is recognises.
+func (c *Conn) translate(err error) error {
+	if err == nil || err == io.EOF {
+		return err
+	}
+	var op *net.OpError
+	if errors.As(err, &op) && op.Err != nil {
+		switch op.Err.Error() {
+		case resetText, abortText:
+			op.Err = syscall.ECONNRESET
+		}
+	}
+	return err
+}
+
+// tcpipError maps netstack errors to the syscall errors of the same meaning.
+func tcpipError(err tcpip.Error) error {
+	switch err.(type) {
+	case *tcpip.ErrConnectionRefused:
+		return syscall.ECONNREFUSED
+	case *tcpip.ErrConnectionReset:
+		return syscall.ECONNRESET
+	case *tcpip.ErrTimeout:
+		return syscall.ETIMEDOUT
+	case *tcpip.ErrHostUnreachable, *tcpip.ErrNoNet:
+		return syscall.EHOSTUNREACH
+	case *tcpip.ErrNetworkUnreachable:
+		return syscall.ENETUNREACH
+	}
+	return errors.New(err.String())
+}

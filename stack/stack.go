@@ -1,0 +1,196 @@
+package stack
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"sync/atomic"
+
+	"github.com/rs/zerolog"
+	"gvisor.dev/gvisor/pkg/tcpip"
+	"gvisor.dev/gvisor/pkg/tcpip/header"
+	"gvisor.dev/gvisor/pkg/tcpip/network/ipv4"
+	"gvisor.dev/gvisor/pkg/tcpip/network/ipv6"
+	"gvisor.dev/gvisor/pkg/tcpip/stack"
+	"gvisor.dev/gvisor/pkg/tcpip/transport/tcp"
+	"gvisor.dev/gvisor/pkg/waiter"
+
+	"github.com/meshtun/meshtun/stack/classify"
+)
+
+const nicID tcpip.NICID = 1
+
+// Tuning of the netstack's TCP. The buffers bound what one connection can
+// have in flight; receive-buffer moderation grows the window from the
+// default up to the maximum as the flow's bandwidth-delay product demands.
+const (
+	tcpBufMin        = 4 << 10
+	tcpBufDefault    = 1 << 20
+	tcpBufMax        = 8 << 20
+	forwarderWindow  = 0 // 0: the stack's default receive buffer
+	forwarderPending = 4096
+)
+
+// TCPHandler is called, on its own goroutine, for every new TCP connection
+// the classifier intercepted. The handshake with the client is still
+// pending: the handler decides, typically after connecting upstream, by
+// calling Accept or Reject exactly once.
+type TCPHandler func(req *TCPRequest)
+
+// Config configures a Stack.
+type Config struct {
+	Device     Device
+	Classifier *classify.Classifier
+	// HandleTCP receives intercepted TCP connections. Required.
+	HandleTCP TCPHandler
+	Logger    zerolog.Logger
+}
+
+// Stats are the data-path counters of a Stack.
+type Stats struct {
+	Drops               atomic.Uint64 // packets the classifier dropped
+	VerbatimWriteErrors atomic.Uint64 // verbatim packets the TUN refused
+}
+
+// Stack is a gVisor netstack behind the classifier on a TUN device.
+type Stack struct {
+	s     *stack.Stack
+	link  *linkEndpoint
+	log   zerolog.Logger
+	stats Stats
+}
+
+// New builds the netstack on cfg.Device and starts reading packets.
+func New(cfg Config) (*Stack, error) {
+	if cfg.Device == nil || cfg.Classifier == nil || cfg.HandleTCP == nil {
+		return nil, errors.New("stack: Device, Classifier and HandleTCP are required")
+	}
+	st := &Stack{log: cfg.Logger}
+	st.s = stack.New(stack.Options{
+		NetworkProtocols:   []stack.NetworkProtocolFactory{ipv4.NewProtocol, ipv6.NewProtocol},
+		TransportProtocols: []stack.TransportProtocolFactory{tcp.NewProtocol},
+	})
+	if err := st.tune(); err != nil {
+		st.s.Destroy()
+		return nil, err
+	}
+	st.link = newLinkEndpoint(cfg.Device, cfg.Classifier, cfg.Logger, &st.stats)
+	if err := st.s.CreateNIC(nicID, st.link); err != nil {
+		st.s.Destroy()
+		return nil, fmt.Errorf("stack: create NIC: %s", err)
+	}
+	// Promiscuous: accept packets for any destination address. Spoofing:
+	// send from any source address, so connections keep the addresses of
+	// the hosts they stand in for.
+	if err := st.s.SetPromiscuousMode(nicID, true); err != nil {
+		st.s.Destroy()
+		return nil, fmt.Errorf("stack: promiscuous mode: %s", err)
+	}
+	if err := st.s.SetSpoofing(nicID, true); err != nil {
+		st.s.Destroy()
+		return nil, fmt.Errorf("stack: spoofing: %s", err)
+	}
+	st.s.SetRouteTable([]tcpip.Route{
+		{Destination: header.IPv4EmptySubnet, NIC: nicID},
+		{Destination: header.IPv6EmptySubnet, NIC: nicID},
+	})
+	fwd := tcp.NewForwarder(st.s, forwarderWindow, forwarderPending, func(r *tcp.ForwarderRequest) {
+		cfg.HandleTCP(st.newRequest(r))
+	})
+	st.s.SetTransportProtocolHandler(tcp.ProtocolNumber, fwd.HandlePacket)
+	st.link.start()
+	return st, nil
+}
+
+func (st *Stack) tune() error {
+	opts := []struct {
+		name string
+		opt  tcpip.SettableTransportProtocolOption
+	}{
+		{"SACK", ptr(tcpip.TCPSACKEnabled(true))},
+		{"RACK loss detection", ptr(tcpip.TCPRACKLossDetection)},
+		{"receive buffer moderation", ptr(tcpip.TCPModerateReceiveBufferOption(true))},
+		{"receive buffer sizes", &tcpip.TCPReceiveBufferSizeRangeOption{Min: tcpBufMin, Default: tcpBufDefault, Max: tcpBufMax}},
+		{"send buffer sizes", &tcpip.TCPSendBufferSizeRangeOption{Min: tcpBufMin, Default: tcpBufDefault, Max: tcpBufMax}},
+		{"congestion control", ptr(tcpip.CongestionControlOption("cubic"))},
+	}
+	for _, o := range opts {
+		if err := st.s.SetTransportProtocolOption(tcp.ProtocolNumber, o.opt); err != nil {
+			return fmt.Errorf("stack: set TCP %s: %s", o.name, err)
+		}
+	}
+	return nil
+}
+
+func ptr[T any](v T) *T { return &v }
+
+// Close stops the stack. The Device must be closed by its owner first (or
+// right after), which ends the dispatch loop.
+func (st *Stack) Close() {
+	st.link.Close()
+	st.s.Close()
+	st.link.Wait()
+	st.s.Destroy()
+}
+
+// Stats returns the stack's counters.
+func (st *Stack) Stats() *Stats { return &st.stats }
+
+// DialTCP opens a TCP connection from src to dst through the netstack: the
+// packets leave through the TUN with src as their source address, whether
+// or not src belongs to this host. A zero src port picks an ephemeral one.
+func (st *Stack) DialTCP(ctx context.Context, src, dst netip.AddrPort) (*Conn, error) {
+	if src.Addr().Is4() != dst.Addr().Is4() {
+		return nil, fmt.Errorf("stack: dial %s from %s: address families differ", dst, src)
+	}
+	proto := header.IPv4ProtocolNumber
+	if dst.Addr().Is6() {
+		proto = header.IPv6ProtocolNumber
+	}
+	var wq waiter.Queue
+	ep, terr := st.s.NewEndpoint(tcp.ProtocolNumber, proto, &wq)
+	if terr != nil {
+		return nil, fmt.Errorf("stack: dial %s from %s: %s", dst, src, terr)
+	}
+	if terr := ep.Bind(fullAddr(src)); terr != nil {
+		ep.Close()
+		return nil, fmt.Errorf("stack: dial %s: bind %s: %s", dst, src, terr)
+	}
+	local := src
+	if src.Port() == 0 {
+		if a, err := ep.GetLocalAddress(); err == nil {
+			local = netip.AddrPortFrom(src.Addr(), a.Port)
+		}
+	}
+	// Connect and wait, honouring ctx.
+	entry, notify := waiter.NewChannelEntry(waiter.EventOut | waiter.EventHUp | waiter.EventErr)
+	wq.EventRegister(&entry)
+	defer wq.EventUnregister(&entry)
+	terr = ep.Connect(fullAddr(dst))
+	if _, ok := terr.(*tcpip.ErrConnectStarted); ok {
+		select {
+		case <-ctx.Done():
+			ep.Abort()
+			ep.Close()
+			return nil, fmt.Errorf("stack: dial %s from %s: %w", dst, local, ctx.Err())
+		case <-notify:
+		}
+		terr = ep.LastError()
+	}
+	if terr != nil {
+		ep.Close()
+		return nil, &net.OpError{Op: "dial", Net: "tcp", Source: net.TCPAddrFromAddrPort(local), Addr: net.TCPAddrFromAddrPort(dst), Err: tcpipError(terr)}
+	}
+	return newConn(&wq, ep, local, dst), nil
+}
+
+func fullAddr(ap netip.AddrPort) tcpip.FullAddress {
+	return tcpip.FullAddress{NIC: nicID, Addr: tcpip.AddrFromSlice(ap.Addr().AsSlice()), Port: ap.Port()}
+}
+
+func addrPort(a tcpip.Address, port uint16) netip.AddrPort {
+	ip, _ := netip.AddrFromSlice(a.AsSlice())
+	return netip.AddrPortFrom(ip, port)
+}
