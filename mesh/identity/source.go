@@ -1,0 +1,316 @@
+package identity
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/rs/zerolog"
+	"github.com/spiffe/go-spiffe/v2/bundle/x509bundle"
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
+)
+
+// Issuer issues X509-SVIDs. *CA implements it; a client of an external CA
+// (Istio's CA service, SPIRE) can too.
+type Issuer interface {
+	// Issue returns a new SVID, with a new key, for id.
+	Issue(ctx context.Context, id spiffeid.ID) (*x509svid.SVID, error)
+}
+
+// DefaultRetryInterval is how long a Source waits after a failed renewal
+// before it tries again, when SourceConfig.RetryInterval is zero.
+const DefaultRetryInterval = 5 * time.Second
+
+// minRenewDelay bounds how often one identity can be renewed, so that an
+// issuer handing out nearly expired certificates cannot make a Source spin.
+const minRenewDelay = 50 * time.Millisecond
+
+// SourceConfig configures NewSource.
+type SourceConfig struct {
+	// Issuer issues the SVIDs of local identities. Required.
+	Issuer Issuer
+	// Bundle holds the trust bundles peers are verified against. Required.
+	Bundle x509bundle.Source
+	// TrustDomain is the node's own trust domain. Required.
+	TrustDomain spiffeid.TrustDomain
+	// RetryInterval is the wait after a failed renewal; DefaultRetryInterval
+	// if zero. Retries never wait past half the remaining lifetime.
+	RetryInterval time.Duration
+	// OnUpdate, if set, is called after every successful issuance (the
+	// first one in Add and each renewal), outside the Source's locks.
+	OnUpdate func(id spiffeid.ID, svid *x509svid.SVID)
+	// Logger receives renewals and renewal failures.
+	Logger zerolog.Logger
+}
+
+// Source holds the SVIDs of the identities that are local to this node, and
+// only those, and renews each at half of its lifetime in the background. TLS
+// configurations built by ClientTLS and ServerTLS read the current SVID at
+// every handshake, so a renewal takes effect for new connections while open
+// connections keep working. A Source is safe for concurrent use.
+type Source struct {
+	cfg    SourceConfig
+	ctx    context.Context
+	cancel context.CancelFunc
+
+	mu      sync.Mutex
+	entries map[spiffeid.ID]*entry
+	wg      sync.WaitGroup
+}
+
+type entry struct {
+	ready  chan struct{} // closed when the first issuance finished
+	err    error         // error of the first issuance, set before ready closes
+	cancel context.CancelFunc
+
+	mu   sync.RWMutex
+	svid *x509svid.SVID
+}
+
+func (e *entry) current() *x509svid.SVID {
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	return e.svid
+}
+
+// NewSource returns a Source with no local identities; Add some.
+func NewSource(cfg SourceConfig) (*Source, error) {
+	switch {
+	case cfg.Issuer == nil:
+		return nil, errors.New("identity: source needs an issuer")
+	case cfg.Bundle == nil:
+		return nil, errors.New("identity: source needs a trust bundle")
+	case cfg.TrustDomain.IsZero():
+		return nil, errors.New("identity: source needs a trust domain")
+	}
+	if cfg.RetryInterval <= 0 {
+		cfg.RetryInterval = DefaultRetryInterval
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	return &Source{cfg: cfg, ctx: ctx, cancel: cancel, entries: make(map[spiffeid.ID]*entry)}, nil
+}
+
+// TrustDomain returns the node's trust domain.
+func (s *Source) TrustDomain() spiffeid.TrustDomain { return s.cfg.TrustDomain }
+
+// Add makes id local: it issues an SVID for id (waiting for it, bounded by
+// ctx) and keeps renewing it until Remove or Close. Adding an identity that
+// is already local returns at once.
+func (s *Source) Add(ctx context.Context, id spiffeid.ID) error {
+	s.mu.Lock()
+	if s.ctx.Err() != nil {
+		s.mu.Unlock()
+		return fmt.Errorf("identity: add %s: source is closed", id)
+	}
+	e, ok := s.entries[id]
+	if ok {
+		s.mu.Unlock()
+		select {
+		case <-e.ready:
+			if e.err != nil {
+				return e.err
+			}
+			return nil
+		case <-ctx.Done():
+			return fmt.Errorf("identity: add %s: %w", id, ctx.Err())
+		}
+	}
+	ectx, cancel := context.WithCancel(s.ctx)
+	e = &entry{ready: make(chan struct{}), cancel: cancel}
+	s.entries[id] = e
+	s.mu.Unlock()
+
+	stop := context.AfterFunc(ctx, cancel)
+	svid, err := s.issue(ectx, id)
+	stop()
+	if err != nil {
+		cancel()
+		s.mu.Lock()
+		if s.entries[id] == e {
+			delete(s.entries, id)
+		}
+		s.mu.Unlock()
+		e.err = err
+		close(e.ready)
+		return err
+	}
+	e.svid = svid
+	close(e.ready)
+	s.notify(id, svid)
+
+	s.wg.Add(1)
+	go s.renew(ectx, id, e, time.Now())
+	return nil
+}
+
+// Remove forgets id and stops renewing it. Handshakes that need id's SVID
+// fail from then on; established connections are not touched.
+func (s *Source) Remove(id spiffeid.ID) {
+	s.mu.Lock()
+	e, ok := s.entries[id]
+	delete(s.entries, id)
+	s.mu.Unlock()
+	if ok {
+		e.cancel()
+	}
+}
+
+// Close stops all renewals and forgets all identities.
+func (s *Source) Close() {
+	s.mu.Lock()
+	s.cancel()
+	s.entries = make(map[spiffeid.ID]*entry)
+	s.mu.Unlock()
+	s.wg.Wait()
+}
+
+// IDs returns the local identities, sorted.
+func (s *Source) IDs() []spiffeid.ID {
+	s.mu.Lock()
+	ids := make([]spiffeid.ID, 0, len(s.entries))
+	for id := range s.entries {
+		ids = append(ids, id)
+	}
+	s.mu.Unlock()
+	slices.SortFunc(ids, func(a, b spiffeid.ID) int { return cmpString(a.String(), b.String()) })
+	return ids
+}
+
+// SVID returns the current SVID of the local identity id.
+func (s *Source) SVID(id spiffeid.ID) (*x509svid.SVID, error) {
+	s.mu.Lock()
+	e, ok := s.entries[id]
+	s.mu.Unlock()
+	if !ok {
+		return nil, fmt.Errorf("identity: %s is not a local identity of this node", id)
+	}
+	select {
+	case <-e.ready:
+	default:
+		return nil, fmt.Errorf("identity: SVID for %s is still being issued", id)
+	}
+	if e.err != nil {
+		return nil, e.err
+	}
+	return e.current(), nil
+}
+
+// Expiry returns when the current SVID of id expires, and false if id is not
+// local.
+func (s *Source) Expiry(id spiffeid.ID) (time.Time, bool) {
+	svid, err := s.SVID(id)
+	if err != nil {
+		return time.Time{}, false
+	}
+	return svid.Certificates[0].NotAfter, true
+}
+
+// GetX509BundleForTrustDomain returns the trust bundle for td. It implements
+// x509bundle.Source.
+func (s *Source) GetX509BundleForTrustDomain(td spiffeid.TrustDomain) (*x509bundle.Bundle, error) {
+	return s.cfg.Bundle.GetX509BundleForTrustDomain(td)
+}
+
+// Workload returns the view of s for one local identity, for ClientTLS. Its
+// GetX509SVID returns id's current SVID, or an error once id is removed.
+func (s *Source) Workload(id spiffeid.ID) *Workload { return &Workload{src: s, id: id} }
+
+// Workload is a Source seen from one local identity. It implements
+// x509svid.Source and x509bundle.Source, that is WorkloadSource.
+type Workload struct {
+	src *Source
+	id  spiffeid.ID
+}
+
+// ID returns the identity.
+func (w *Workload) ID() spiffeid.ID { return w.id }
+
+// GetX509SVID returns the current SVID of the identity.
+func (w *Workload) GetX509SVID() (*x509svid.SVID, error) { return w.src.SVID(w.id) }
+
+// GetX509BundleForTrustDomain returns the trust bundle for td.
+func (w *Workload) GetX509BundleForTrustDomain(td spiffeid.TrustDomain) (*x509bundle.Bundle, error) {
+	return w.src.GetX509BundleForTrustDomain(td)
+}
+
+// issue asks the issuer for an SVID and checks that it is for id and still
+// has lifetime left.
+func (s *Source) issue(ctx context.Context, id spiffeid.ID) (*x509svid.SVID, error) {
+	svid, err := s.cfg.Issuer.Issue(ctx, id)
+	if err != nil {
+		return nil, fmt.Errorf("identity: issue SVID for %s: %w", id, err)
+	}
+	if svid == nil || len(svid.Certificates) == 0 {
+		return nil, fmt.Errorf("identity: issuer returned no certificate for %s", id)
+	}
+	if svid.ID != id {
+		return nil, fmt.Errorf("identity: asked the issuer for %s, got an SVID for %s", id, svid.ID)
+	}
+	if exp := svid.Certificates[0].NotAfter; !exp.After(time.Now().Add(minRenewDelay)) {
+		return nil, fmt.Errorf("identity: issuer returned an SVID for %s that expires at %s, already past", id, exp.Format(time.RFC3339Nano))
+	}
+	return svid, nil
+}
+
+// renew keeps e's SVID fresh: it reissues at half of the remaining lifetime
+// measured from issuedAt, and retries failures until ctx ends.
+func (s *Source) renew(ctx context.Context, id spiffeid.ID, e *entry, issuedAt time.Time) {
+	defer s.wg.Done()
+	log := s.cfg.Logger.With().Str("identity", id.String()).Logger()
+	timer := time.NewTimer(time.Hour)
+	defer timer.Stop()
+	for {
+		notAfter := e.current().Certificates[0].NotAfter
+		wait := max(notAfter.Sub(issuedAt)/2-time.Since(issuedAt), minRenewDelay)
+		timer.Reset(wait)
+		select {
+		case <-ctx.Done():
+			return
+		case <-timer.C:
+		}
+		for {
+			svid, err := s.issue(ctx, id)
+			if err == nil {
+				e.mu.Lock()
+				e.svid = svid
+				e.mu.Unlock()
+				issuedAt = time.Now()
+				log.Debug().Time("not_after", svid.Certificates[0].NotAfter).Msg("renewed SVID")
+				s.notify(id, svid)
+				break
+			}
+			if ctx.Err() != nil {
+				return
+			}
+			left := time.Until(notAfter)
+			retry := max(min(s.cfg.RetryInterval, left/2), minRenewDelay)
+			log.Warn().Err(err).Time("not_after", notAfter).Dur("retry_in", retry).Msg("SVID renewal failed")
+			timer.Reset(retry)
+			select {
+			case <-ctx.Done():
+				return
+			case <-timer.C:
+			}
+		}
+	}
+}
+
+func (s *Source) notify(id spiffeid.ID, svid *x509svid.SVID) {
+	if s.cfg.OnUpdate != nil {
+		s.cfg.OnUpdate(id, svid)
+	}
+}
+
+func cmpString(a, b string) int {
+	switch {
+	case a < b:
+		return -1
+	case a > b:
+		return 1
+	}
+	return 0
+}
