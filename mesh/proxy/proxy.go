@@ -89,4 +89,3 @@ func connectError(err error) string {
 	}
 	return "connect"
 }
-
