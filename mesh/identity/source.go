@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -111,10 +112,7 @@ func (s *Source) Add(ctx context.Context, id spiffeid.ID) error {
 		s.mu.Unlock()
 		select {
 		case <-e.ready:
-			if e.err != nil {
-				return e.err
-			}
-			return nil
+			return e.err
 		case <-ctx.Done():
 			return fmt.Errorf("identity: add %s: %w", id, ctx.Err())
 		}
@@ -126,7 +124,11 @@ func (s *Source) Add(ctx context.Context, id spiffeid.ID) error {
 
 	stop := context.AfterFunc(ctx, cancel)
 	svid, err := s.issue(ectx, id)
-	stop()
+	if !stop() && err == nil {
+		// ctx ended while the SVID was issued and has cancelled ectx, which
+		// would stop the renewals: give up as if issuance had failed.
+		err = fmt.Errorf("identity: add %s: %w", id, ctx.Err())
+	}
 	if err != nil {
 		cancel()
 		s.mu.Lock()
@@ -138,12 +140,18 @@ func (s *Source) Add(ctx context.Context, id spiffeid.ID) error {
 		close(e.ready)
 		return err
 	}
+	issuedAt := time.Now()
 	e.svid = svid
 	close(e.ready)
-	s.notify(id, svid)
-
+	s.mu.Lock()
+	if s.ctx.Err() != nil {
+		s.mu.Unlock()
+		return fmt.Errorf("identity: add %s: source is closed", id)
+	}
 	s.wg.Add(1)
-	go s.renew(ectx, id, e, time.Now())
+	s.mu.Unlock()
+	go s.renew(ectx, id, e, issuedAt)
+	s.notify(id, svid)
 	return nil
 }
 
@@ -176,7 +184,7 @@ func (s *Source) IDs() []spiffeid.ID {
 		ids = append(ids, id)
 	}
 	s.mu.Unlock()
-	slices.SortFunc(ids, func(a, b spiffeid.ID) int { return cmpString(a.String(), b.String()) })
+	slices.SortFunc(ids, func(a, b spiffeid.ID) int { return strings.Compare(a.String(), b.String()) })
 	return ids
 }
 
@@ -303,14 +311,4 @@ func (s *Source) notify(id spiffeid.ID, svid *x509svid.SVID) {
 	if s.cfg.OnUpdate != nil {
 		s.cfg.OnUpdate(id, svid)
 	}
-}
-
-func cmpString(a, b string) int {
-	switch {
-	case a < b:
-		return -1
-	case a > b:
-		return 1
-	}
-	return 0
 }

@@ -26,8 +26,11 @@ type Config struct {
 	// Uplinks are the node's links towards other nodes.
 	Uplinks []string
 	// Pods are the addresses of the captured pods on this node.
-	Pods   []netip.Prefix
-	Logger zerolog.Logger
+	Pods []netip.Prefix
+	// NoIntercept leaves every packet verbatim: the TUN is in the path but
+	// no flow is proxied. For measuring the TUN path alone.
+	NoIntercept bool
+	Logger      zerolog.Logger
 }
 
 // ReadyMessage is the log message Run writes once traffic is captured.
@@ -44,40 +47,56 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	if err != nil {
 		return err
 	}
+	sys, err := tun.SetSysctls(dev.Name())
+	if err != nil {
+		dev.Close()
+		return err
+	}
+	// Teardown runs in reverse: routing first, so traffic flows directly
+	// again at once; then the device, which ends the stack's reader; then
+	// the stack and the sysctls.
+	var (
+		st     *stack.Stack
+		routes *tun.Routing
+	)
 	defer func() {
+		if routes != nil {
+			if rerr := routes.Close(); rerr != nil {
+				log.Error().Err(rerr).Msg("remove routing")
+			}
+		}
 		if cerr := dev.Close(); cerr != nil {
 			log.Warn().Err(cerr).Msg("close TUN")
 		}
-	}()
-
-	sys, err := tun.SetSysctls(dev.Name())
-	if err != nil {
-		return err
-	}
-	defer func() {
+		if st != nil {
+			st.Close()
+		}
 		if rerr := sys.Restore(); rerr != nil {
 			log.Error().Err(rerr).Msg("restore sysctls")
 		}
 	}()
 
 	pods := append([]netip.Prefix(nil), cfg.Pods...)
-	cls := classify.New(classify.Config{
-		Policy: classify.PolicyFunc(func(src, _ netip.AddrPort) bool {
-			a := src.Addr()
-			for _, p := range pods {
-				if p.Contains(a) {
-					return true
-				}
+	// The capture policy: TCP connections opened by a captured pod.
+	var policy classify.Policy = classify.PolicyFunc(func(src, _ netip.AddrPort) bool {
+		a := src.Addr()
+		for _, p := range pods {
+			if p.Contains(a) {
+				return true
 			}
-			return false
-		}),
+		}
+		return false
 	})
+	if cfg.NoIntercept {
+		policy = nil
+	}
+	cls := classify.New(classify.Config{Policy: policy})
 	sweepCtx, stopSweep := context.WithCancel(ctx)
 	defer stopSweep()
 	go cls.Run(sweepCtx, 5*time.Second)
 
 	px := proxy.New(ctx, proxy.Config{Logger: log})
-	st, err := stack.New(stack.Config{
+	st, err = stack.New(stack.Config{
 		Device:     dev,
 		Classifier: cls,
 		HandleTCP:  px.HandleTCP,
@@ -86,9 +105,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	if err != nil {
 		return err
 	}
-	defer st.Close()
-
-	routes, err := tun.InstallRouting(dev, tun.RoutingConfig{
+	routes, err = tun.InstallRouting(dev, tun.RoutingConfig{
 		CaptureLinks: cfg.CaptureLinks,
 		Uplinks:      cfg.Uplinks,
 		PodPrefixes:  cfg.Pods,
@@ -96,11 +113,6 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	if err != nil {
 		return err
 	}
-	defer func() {
-		if rerr := routes.Close(); rerr != nil {
-			log.Error().Err(rerr).Msg("remove routing")
-		}
-	}()
 
 	log.Info().Str("tun", dev.Name()).Int("mtu", dev.MTU()).
 		Strs("capture_links", cfg.CaptureLinks).Strs("uplinks", cfg.Uplinks).

@@ -1,0 +1,257 @@
+package e2e
+
+import (
+	"bytes"
+	"encoding/binary"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/net/icmp"
+	"golang.org/x/net/ipv4"
+	"golang.org/x/net/ipv6"
+
+	"github.com/meshtun/meshtun/test/cluster"
+)
+
+// listenPacket opens a packet socket inside ns.
+func listenPacket(t testing.TB, ns *cluster.NS, network, addr string) net.PacketConn {
+	t.Helper()
+	pc, err := ns.ListenPacket(network, addr)
+	if err != nil {
+		t.Fatalf("listen %s %s in %s: %v", network, addr, ns.Name(), err)
+	}
+	t.Cleanup(func() { pc.Close() })
+	return pc
+}
+
+// udpEcho sends a datagram from client to dst:9001 where an echo server in
+// srv answers with the payload and the source address it saw. Verbatim
+// forwarding must keep both addresses.
+func udpEcho(t testing.TB, client *cluster.NS, src netip.Addr, srv *cluster.NS, dst netip.Addr, port int) {
+	t.Helper()
+	sp := listenPacket(t, srv, "udp", fmt.Sprintf(":%d", port))
+	go func() {
+		buf := make([]byte, 2048)
+		for {
+			n, from, err := sp.ReadFrom(buf)
+			if err != nil {
+				return
+			}
+			sp.WriteTo(append(buf[:n:n], []byte(" from "+from.String())...), from)
+		}
+	}()
+	cp := listenPacket(t, client, "udp", ":0")
+	to := net.UDPAddrFromAddrPort(netip.AddrPortFrom(dst, uint16(port)))
+	cp.SetReadDeadline(time.Now().Add(5 * time.Second))
+	var reply []byte
+	var from net.Addr
+	buf := make([]byte, 2048)
+	for attempt := 0; ; attempt++ {
+		if _, err := cp.WriteTo([]byte("question"), to); err != nil {
+			t.Fatalf("UDP send to %s: %v", to, err)
+		}
+		cp.SetReadDeadline(time.Now().Add(time.Second))
+		n, f, err := cp.ReadFrom(buf)
+		if err == nil {
+			reply, from = buf[:n], f
+			break
+		}
+		if attempt == 4 {
+			t.Fatalf("no UDP reply from %s: %v", to, err)
+		}
+	}
+	if got := from.(*net.UDPAddr).AddrPort().Addr().Unmap(); got != dst {
+		t.Errorf("reply came from %s, want %s", got, dst)
+	}
+	// The server must have seen the client's own address: verbatim
+	// forwarding changes neither address nor port.
+	want := fmt.Sprintf("question from %s", netip.AddrPortFrom(src, uint16(cp.LocalAddr().(*net.UDPAddr).Port)))
+	if got := string(reply); got != want {
+		t.Fatalf("reply %q, want %q", got, want)
+	}
+}
+
+// udpBurst sends count datagrams back to back and checks every one arrives
+// intact.
+func udpBurst(t testing.TB, client, srv *cluster.NS, dst netip.Addr, count int) {
+	t.Helper()
+	sp := listenPacket(t, srv, "udp", ":9002")
+	setRcvBuf(t, sp, 64<<20)
+	cp := listenPacket(t, client, "udp", ":0")
+	to := net.UDPAddrFromAddrPort(netip.AddrPortFrom(dst, 9002))
+	done := make(chan []bool, 1)
+	go func() {
+		seen := make([]bool, count)
+		buf := make([]byte, 2048)
+		for {
+			sp.SetReadDeadline(time.Now().Add(3 * time.Second))
+			n, _, err := sp.ReadFrom(buf)
+			if err != nil {
+				done <- seen
+				return
+			}
+			if n != 64 {
+				continue
+			}
+			i := binary.BigEndian.Uint32(buf)
+			if int(i) < count && bytes.Equal(buf[4:n], payload(i)[4:]) {
+				seen[i] = true
+			}
+		}
+	}()
+	for i := uint32(0); i < uint32(count); i++ {
+		if _, err := cp.WriteTo(payload(i), to); err != nil {
+			t.Fatalf("send datagram %d: %v", i, err)
+		}
+	}
+	seen := <-done
+	got := 0
+	for _, s := range seen {
+		if s {
+			got++
+		}
+	}
+	if got != count {
+		t.Fatalf("%d of %d datagrams arrived intact", got, count)
+	}
+}
+
+func payload(i uint32) []byte {
+	b := make([]byte, 64)
+	binary.BigEndian.PutUint32(b, i)
+	for j := 4; j < len(b); j++ {
+		b[j] = byte(int(i) + j)
+	}
+	return b
+}
+
+func setRcvBuf(t testing.TB, pc net.PacketConn, size int) {
+	t.Helper()
+	sc, err := pc.(syscall.Conn).SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var serr error
+	sc.Control(func(fd uintptr) {
+		serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUFFORCE, size)
+	})
+	if serr != nil {
+		t.Fatalf("SO_RCVBUFFORCE: %v", serr)
+	}
+}
+
+// ping sends an ICMP (or ICMPv6) echo request from ns to dst and waits for
+// the reply.
+func ping(t testing.TB, ns *cluster.NS, dst netip.Addr) {
+	t.Helper()
+	network, laddr, typ, proto := "ip4:icmp", "0.0.0.0", icmp.Type(ipv4.ICMPTypeEcho), 1
+	if dst.Is6() {
+		network, laddr, typ, proto = "ip6:ipv6-icmp", "::", ipv6.ICMPTypeEchoRequest, 58
+	}
+	var pc *icmp.PacketConn
+	if err := ns.Do(func() (err error) {
+		pc, err = icmp.ListenPacket(network, laddr)
+		return err
+	}); err != nil {
+		t.Fatalf("ICMP socket in %s: %v", ns.Name(), err)
+	}
+	defer pc.Close()
+	id := os.Getpid() & 0xffff
+	msg := icmp.Message{Type: typ, Body: &icmp.Echo{ID: id, Seq: 1, Data: []byte("meshtun")}}
+	wb, err := msg.Marshal(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pc.WriteTo(wb, &net.IPAddr{IP: dst.AsSlice()}); err != nil {
+		t.Fatalf("ICMP echo to %s: %v", dst, err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	buf := make([]byte, 1500)
+	for {
+		pc.SetReadDeadline(deadline)
+		n, from, err := pc.ReadFrom(buf)
+		if err != nil {
+			t.Fatalf("no ICMP echo reply from %s: %v", dst, err)
+		}
+		rm, err := icmp.ParseMessage(proto, buf[:n])
+		if err != nil {
+			continue
+		}
+		echo, ok := rm.Body.(*icmp.Echo)
+		if !ok || echo.ID != id || (rm.Type != ipv4.ICMPTypeEchoReply && rm.Type != ipv6.ICMPTypeEchoReply) {
+			continue
+		}
+		if got, _ := netip.AddrFromSlice(from.(*net.IPAddr).IP); got.Unmap() != dst {
+			t.Fatalf("echo reply from %s, want %s", got, dst)
+		}
+		if string(echo.Data) != "meshtun" {
+			t.Fatalf("echo reply data %q", echo.Data)
+		}
+		return
+	}
+}
+
+// rawProto sends IPv4 packets of protocol 253 (reserved for experiments,
+// unknown to meshtun) from src to dst and checks the receiver sees the same
+// header fields, payload and source address.
+func rawProto(t testing.TB, client, srv *cluster.NS, src, dst netip.Addr) {
+	t.Helper()
+	var rc *ipv4.RawConn
+	if err := srv.Do(func() error {
+		pc, err := net.ListenPacket("ip4:253", "0.0.0.0")
+		if err != nil {
+			return err
+		}
+		rc, err = ipv4.NewRawConn(pc)
+		return err
+	}); err != nil {
+		t.Fatalf("raw socket in %s: %v", srv.Name(), err)
+	}
+	defer rc.Close()
+	var sc *ipv4.RawConn
+	if err := client.Do(func() error {
+		pc, err := net.ListenPacket("ip4:253", src.String())
+		if err != nil {
+			return err
+		}
+		sc, err = ipv4.NewRawConn(pc)
+		return err
+	}); err != nil {
+		t.Fatalf("raw socket in %s: %v", client.Name(), err)
+	}
+	defer sc.Close()
+	for i := 0; i < 3; i++ {
+		body := []byte(fmt.Sprintf("protocol 253 payload %d \x00\xff", i))
+		h := &ipv4.Header{Version: 4, Len: ipv4.HeaderLen, TotalLen: ipv4.HeaderLen + len(body), ID: 0x4d00 + i, TTL: 64, Protocol: 253,
+			Src: src.AsSlice(), Dst: dst.AsSlice()}
+		if err := sc.WriteTo(h, body, nil); err != nil {
+			t.Fatalf("send protocol 253: %v", err)
+		}
+		buf := make([]byte, 1500)
+		for {
+			rc.SetReadDeadline(time.Now().Add(5 * time.Second))
+			rh, p, _, err := rc.ReadFrom(buf)
+			if err != nil {
+				t.Fatalf("protocol 253 packet %d did not arrive: %v", i, err)
+			}
+			if rh.ID != h.ID {
+				continue
+			}
+			if !bytes.Equal(p, body) {
+				t.Fatalf("payload %q, want %q", p, body)
+			}
+			if got, _ := netip.AddrFromSlice(rh.Src); got.Unmap() != src {
+				t.Fatalf("source address %s, want the sender's %s", got, src)
+			}
+			if rh.Protocol != 253 || rh.TotalLen != h.TotalLen {
+				t.Fatalf("header changed: protocol %d len %d", rh.Protocol, rh.TotalLen)
+			}
+			break
+		}
+	}
+}
