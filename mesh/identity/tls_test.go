@@ -25,7 +25,7 @@ type staticWorkload struct {
 // staticServer is a ServerSource with fixed SVIDs.
 type staticServer struct {
 	svids map[spiffeid.ID]*x509svid.SVID
-	*x509bundle.Bundle
+	x509bundle.Source
 }
 
 func (s staticServer) SVID(id spiffeid.ID) (*x509svid.SVID, error) {
@@ -244,6 +244,10 @@ func TestTLSRejections(t *testing.T) {
 		{"client of another trust domain",
 			f.serverTLS, ClientTLS(staticWorkload{otherSVID, x509bundle.NewSet(otherCA.Bundle(), bundle)}, f.server),
 			true, []string{"client certificate rejected", `no X.509 bundle found for trust domain: "other.example"`}},
+		{"federated client of another trust domain",
+			ServerTLS(staticServer{map[spiffeid.ID]*x509svid.SVID{f.server: mustSVID(t, f.src, f.server)}, x509bundle.NewSet(bundle, otherCA.Bundle())}, testTD, f.pick),
+			ClientTLS(staticWorkload{otherSVID, x509bundle.NewSet(otherCA.Bundle(), bundle)}, f.server),
+			true, []string{"client certificate rejected", "client " + otherID.String() + " is not in trust domain cluster.local"}},
 		{"client of a rogue CA",
 			f.serverTLS, ClientTLS(staticWorkload{rogueClient, bundle}, f.server),
 			true, []string{"client certificate rejected", "certificate signed by unknown authority"}},
@@ -364,4 +368,13 @@ func TestTLSRenewalKeepsConnections(t *testing.T) {
 			t.Errorf("new connection got server serial %s, want the renewed %s", got, want)
 		}
 	}
+}
+
+func mustSVID(t *testing.T, src *Source, id spiffeid.ID) *x509svid.SVID {
+	t.Helper()
+	svid, err := src.SVID(id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return svid
 }
