@@ -26,6 +26,7 @@ import (
 	"net"
 	"net/netip"
 	"sync"
+	"time"
 
 	"github.com/rs/zerolog"
 	"github.com/vishvananda/netlink"
@@ -299,7 +300,56 @@ func (c *Cluster) build(ctx context.Context, spec Spec) error {
 
 	b := &builder{handles: map[*NS]*netlink.Handle{}}
 	defer b.close()
-	return c.wire(ctx, b)
+	if err := c.wire(ctx, b); err != nil {
+		return err
+	}
+	return c.settle(ctx, b)
+}
+
+// settleTimeout bounds the wait for the kernel to finish IPv6 address
+// setup.
+const settleTimeout = 10 * time.Second
+
+// settle waits until the kernel has finished setting up the IPv6 addresses
+// of every namespace. The kernel completes an address (even a nodad one)
+// on a workqueue: its local route, and on a router its subnet anycast
+// route, appear shortly after the address itself; link-local addresses
+// appear once the link has carrier. Waiting here makes routing snapshots
+// taken right after New stable and every address usable at once.
+func (c *Cluster) settle(ctx context.Context, b *builder) error {
+	ctx, cancel := context.WithTimeout(ctx, settleTimeout)
+	defer cancel()
+	var todo []*NS
+	routers := map[*NS]bool{}
+	for _, n := range c.Nodes {
+		todo = append(todo, n.NS)
+		routers[n.NS] = true
+		for _, p := range n.Pods {
+			todo = append(todo, p.NS)
+		}
+	}
+	if c.External != nil {
+		todo = append(todo, c.External.NS)
+	}
+	for _, ns := range todo {
+		for wait := time.Millisecond; ; wait = min(2*wait, 50*time.Millisecond) {
+			pending, err := b.pending6(ns, routers[ns])
+			if err != nil {
+				return err
+			}
+			if pending == "" {
+				break
+			}
+			t := time.NewTimer(wait)
+			select {
+			case <-ctx.Done():
+				t.Stop()
+				return fmt.Errorf("netns %s: IPv6 setup did not finish: %s: %w", ns.name, pending, ctx.Err())
+			case <-t.C:
+			}
+		}
+	}
+	return nil
 }
 
 // wire creates the interfaces, addresses and routes.
@@ -518,6 +568,84 @@ func (b *builder) veth(a *NS, aName string, master int, bNS *NS, bName string) e
 		return err
 	}
 	return b.up(bNS, bName)
+}
+
+// pending6 describes the first unfinished piece of IPv6 setup in ns, or
+// returns "" if there is none: every up link other than lo has a link-local
+// address, every IPv6 address has its local route and, on a router, every
+// address shorter than /128 has its subnet-router anycast route.
+func (b *builder) pending6(ns *NS, router bool) (string, error) {
+	h, err := b.handle(ns)
+	if err != nil {
+		return "", err
+	}
+	routes, err := h.RouteListFiltered(unix.AF_INET6, &netlink.Route{Table: unix.RT_TABLE_LOCAL}, netlink.RT_FILTER_TABLE)
+	if err != nil {
+		return "", fmt.Errorf("netns %s: list local IPv6 routes: %w", ns.name, err)
+	}
+	type key struct {
+		typ   int
+		dst   netip.Addr
+		index int
+	}
+	have := map[key]bool{}
+	for _, r := range routes {
+		if r.Dst == nil {
+			continue
+		}
+		if a, ok := netip.AddrFromSlice(r.Dst.IP); ok {
+			have[key{r.Type, a, r.LinkIndex}] = true
+		}
+	}
+	links, err := h.LinkList()
+	if err != nil {
+		return "", fmt.Errorf("netns %s: list links: %w", ns.name, err)
+	}
+	for _, l := range links {
+		at := l.Attrs()
+		if at.Name == "lo" || at.Flags&net.FlagUp == 0 {
+			continue
+		}
+		addrs, err := h.AddrList(l, netlink.FAMILY_V6)
+		if err != nil {
+			return "", fmt.Errorf("netns %s: list addresses of %s: %w", ns.name, at.Name, err)
+		}
+		linkLocal := false
+		for _, a := range addrs {
+			p, ok := netipPrefix(a.IPNet)
+			if !ok {
+				continue
+			}
+			if p.Addr().IsLinkLocalUnicast() {
+				linkLocal = true
+			}
+			if a.Flags&unix.IFA_F_TENTATIVE != 0 {
+				return fmt.Sprintf("%s on %s is tentative", p, at.Name), nil
+			}
+			if !have[key{unix.RTN_LOCAL, p.Addr(), at.Index}] {
+				return fmt.Sprintf("no local route for %s on %s", p, at.Name), nil
+			}
+			if router && p.Bits() < 128 && !have[key{unix.RTN_ANYCAST, p.Masked().Addr(), at.Index}] {
+				return fmt.Sprintf("no anycast route for %s on %s", p.Masked(), at.Name), nil
+			}
+		}
+		if !linkLocal {
+			return fmt.Sprintf("no link-local address on %s", at.Name), nil
+		}
+	}
+	return "", nil
+}
+
+func netipPrefix(n *net.IPNet) (netip.Prefix, bool) {
+	if n == nil {
+		return netip.Prefix{}, false
+	}
+	a, ok := netip.AddrFromSlice(n.IP)
+	if !ok {
+		return netip.Prefix{}, false
+	}
+	ones, _ := n.Mask.Size()
+	return netip.PrefixFrom(a.Unmap(), ones), true
 }
 
 // addrs adds addresses to a link, without duplicate address detection.

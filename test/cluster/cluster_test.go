@@ -394,6 +394,47 @@ func TestCluster(t *testing.T) {
 		}
 	})
 
+	t.Run("Settled", func(t *testing.T) {
+		b := &builder{handles: map[*NS]*netlink.Handle{}}
+		defer b.close()
+		for _, n := range c.Nodes {
+			if got, err := b.pending6(n.NS, true); err != nil || got != "" {
+				t.Errorf("node %s after New: pending %q, %v", n.Name(), got, err)
+			}
+		}
+		ext := c.External.NS
+		for _, p := range append(c.Pods(), &Pod{NS: ext}) {
+			if got, err := b.pending6(p.NS, false); err != nil || got != "" {
+				t.Errorf("%s after New: pending %q, %v", p.Name(), got, err)
+			}
+		}
+		// A link without a link-local address must count as unfinished.
+		if err := ext.SetSysctl("net.ipv6.conf.default.addr_gen_mode", "1"); err != nil {
+			t.Fatal(err)
+		}
+		h, err := b.handle(ext)
+		if err != nil {
+			t.Fatal(err)
+		}
+		d := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "d0"}, PeerName: "d1"}
+		if err := h.LinkAdd(d); err != nil {
+			t.Fatal(err)
+		}
+		defer h.LinkDel(d)
+		if err := b.up(ext, "d0"); err != nil {
+			t.Fatal(err)
+		}
+		if got, err := b.pending6(ext, false); err != nil || !strings.HasPrefix(got, "no link-local address on d") {
+			t.Errorf("pending with a bare link: %q, %v", got, err)
+		}
+		if err := h.LinkDel(d); err != nil {
+			t.Fatal(err)
+		}
+		if err := ext.SetSysctl("net.ipv6.conf.default.addr_gen_mode", "0"); err != nil {
+			t.Fatal(err)
+		}
+	})
+
 	t.Run("Do", func(t *testing.T) {
 		var self, inside uint64
 		st := func(p string) uint64 {
