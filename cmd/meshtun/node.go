@@ -39,6 +39,7 @@ func runNode(ctx context.Context, args []string) error {
 	fs.Var(&uplinks, "uplink", "node `link` towards other nodes (repeatable)")
 	fs.Var(&pods, "pod", "captured pod address or `prefix` (repeatable)")
 	fs.BoolVar(&cfg.NoIntercept, "no-intercept", false, "intercept nothing: every packet goes through the TUN verbatim (for measuring the TUN path alone)")
+	fs.StringVar(&cfg.AdminAddr, "admin", "127.0.0.1:15000", "admin HTTP `address` (pprof); empty disables it")
 	fs.StringVar(&logLevel, "log-level", "info", "log `level`: trace, debug, info, warn, error")
 	if err := fs.Parse(args); err != nil {
 		return err

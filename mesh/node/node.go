@@ -30,7 +30,10 @@ type Config struct {
 	// NoIntercept leaves every packet verbatim: the TUN is in the path but
 	// no flow is proxied. For measuring the TUN path alone.
 	NoIntercept bool
-	Logger      zerolog.Logger
+	// AdminAddr is where the admin HTTP server listens (pprof under
+	// /debug/pprof/); empty disables it. Keep it on loopback.
+	AdminAddr string
+	Logger    zerolog.Logger
 }
 
 // ReadyMessage is the log message Run writes once traffic is captured.
@@ -112,6 +115,14 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	})
 	if err != nil {
 		return err
+	}
+
+	if cfg.AdminAddr != "" {
+		stopAdmin, err := serveAdmin(ctx, cfg.AdminAddr, log)
+		if err != nil {
+			return err
+		}
+		defer stopAdmin()
 	}
 
 	log.Info().Str("tun", dev.Name()).Int("mtu", dev.MTU()).
