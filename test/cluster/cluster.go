@@ -127,9 +127,9 @@ type Host struct {
 	IPv4, IPv6 netip.Addr
 }
 
-// addr builds an address from the plan: IPv4 198.18.<sub>.<host> and IPv6
-// fd00:6d74:<sub>::<host>, with the IPv6 groups spelled in the same decimal
-// digits as the IPv4 octets.
+// addr4 and addr6 build addresses of the plan: IPv4 198.18.<sub>.<host>
+// and IPv6 fd00:6d74:<sub>::<host>, the IPv6 groups spelled with the same
+// decimal digits as the IPv4 octets.
 func addr4(sub, host int) netip.Addr {
 	return netip.AddrFrom4([4]byte{198, 18, byte(sub), byte(host)})
 }

@@ -256,6 +256,34 @@ func TestCluster(t *testing.T) {
 		}
 	})
 
+	t.Run("UDP", func(t *testing.T) {
+		src, dst := c.Pod("n2p2"), c.Pod("n1p1")
+		for _, pair := range [][2]netip.Addr{{src.IPv4, dst.IPv4}, {src.IPv6, dst.IPv6}} {
+			pc, err := dst.ListenPacket("udp", netip.AddrPortFrom(pair[1], 0).String())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer pc.Close()
+			conn, err := src.Dial(t.Context(), "udp", pc.LocalAddr().String())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer conn.Close()
+			if _, err := conn.Write([]byte("ping")); err != nil {
+				t.Fatal(err)
+			}
+			pc.SetDeadline(time.Now().Add(5 * time.Second))
+			buf := make([]byte, 16)
+			n, from, err := pc.ReadFrom(buf)
+			if err != nil {
+				t.Fatalf("UDP %s -> %s: %v", pair[0], pc.LocalAddr(), err)
+			}
+			if string(buf[:n]) != "ping" || from.(*net.UDPAddr).AddrPort().Addr() != pair[0] {
+				t.Errorf("UDP got %q from %s, want ping from %s", buf[:n], from, pair[0])
+			}
+		}
+	})
+
 	t.Run("Sysctl", func(t *testing.T) {
 		n1 := c.Nodes[0]
 		for key, want := range map[string]string{
