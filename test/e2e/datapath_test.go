@@ -197,7 +197,7 @@ func TestDataPath(t *testing.T) {
 	})
 
 	// Stop both proxies: routing must be exactly as before.
-	for _, m := range []*nodeProc{m1, m2} {
+	for _, m := range []nodeProc{m1, m2} {
 		if err := m.stop(syscall.SIGTERM); err != nil {
 			t.Errorf("meshtun exit after SIGTERM: %v\n%s", err, m.dump())
 		}
