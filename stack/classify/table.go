@@ -17,6 +17,13 @@ type flowKey struct {
 	v6         bool
 }
 
+// equal is k == *o, spelled out so that it inlines (the generated struct
+// comparison calls memequal).
+func (k *flowKey) equal(o *flowKey) bool {
+	return k.loLo == o.loLo && k.hiLo == o.hiLo && k.loHi == o.loHi && k.hiHi == o.hiHi &&
+		k.loPort == o.loPort && k.hiPort == o.hiPort && k.v6 == o.v6
+}
+
 // hash mixes the key with the classifier's random secret (wyhash-style
 // 64x64->128 multiplies), so that remote peers cannot aim SYNs at one probe
 // chain without knowing the secret.
@@ -86,7 +93,7 @@ func (s *shard) lookup(k *flowKey, h uint32) (int, bool) {
 		if f.state == stateEmpty {
 			return int(i), false
 		}
-		if f.hash == h && f.key == *k {
+		if f.hash == h && f.key.equal(k) {
 			return int(i), true
 		}
 		i = (i + 1) & s.mask
