@@ -1,6 +1,7 @@
 package classify
 
 import (
+	"context"
 	"encoding/binary"
 	"net/netip"
 	"sync/atomic"
@@ -716,7 +717,8 @@ func TestShardTable(t *testing.T) {
 		check(step)
 	}
 
-	// Sweep removes exactly the expired entries, even across the wrap.
+	// Sweep removes exactly the expired entries, even across the wrap and
+	// when expired entries follow each other.
 	for i := range 60 {
 		k := key(i)
 		if slot, ok := s.lookup(&k, hashOf(i)); ok {
@@ -727,14 +729,46 @@ func TestShardTable(t *testing.T) {
 	for i := range s.limit {
 		k := key(i)
 		slot, _ := s.lookup(&k, hashOf(i))
-		s.put(slot, &k, hashOf(i), false, int64(i%3))
-		s.slots[slot].state = stateEstablished
-		if i%3 != 0 {
+		last := int64(0) // two of three expire
+		if i%3 == 0 {
+			last = 5
 			model[k] = hashOf(i)
 		}
+		s.put(slot, &k, hashOf(i), false, last)
+		s.slots[slot].state = stateEstablished
 	}
 	if n := s.sweep(10, 10, 10, 10); n != s.limit-len(model) {
 		t.Fatalf("sweep removed %d, want %d", n, s.limit-len(model))
 	}
 	check(-1)
+}
+
+// TestRun checks that Run advances the clock and sweeps, and returns when
+// its context ends.
+func TestRun(t *testing.T) {
+	c := New(Config{Policy: all, SynTimeout: time.Millisecond})
+	expect(t, c, tcp(podA4, podB4, tcpSYN), Intercept, NoDrop)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		c.Run(ctx, time.Millisecond)
+	}()
+	// Nothing signals a sweep; poll the table until the flow is gone.
+	deadline := time.Now().Add(10 * time.Second)
+	for c.Len() != 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("flow not expired by Run after 10s; Stats %+v", c.Stats())
+		}
+		time.Sleep(time.Millisecond)
+	}
+	if st := c.Stats(); st.FlowsExpired != 1 {
+		t.Fatalf("Stats = %+v, want 1 expired", st)
+	}
+	cancel()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Run did not return after its context was cancelled")
+	}
 }
