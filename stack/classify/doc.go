@@ -29,9 +29,10 @@
 //
 // Flows live in a bounded table. When it is full, a SYN that would be
 // intercepted is dropped with [TableFull] rather than let through verbatim:
-// mesh traffic must never bypass the mesh. Before giving up, the table evicts
-// the oldest flow that is already closing. A flow that has not yet seen a
-// reply expires after [Config.SynTimeout], an established flow after
+// mesh traffic must never bypass the mesh. Before giving up it evicts the
+// longest-closed flow (RST or FIN/FIN seen) of the table shard the new flow
+// hashes to, if there is one. A flow that has seen neither a reply nor an
+// ACK expires after [Config.SynTimeout], an established flow after
 // [Config.IdleTimeout] without packets, and a flow that saw a RST (in either
 // direction) or a FIN in both directions [Config.CloseTimeout] after that;
 // packets still in flight in that grace period keep going to the netstack.
