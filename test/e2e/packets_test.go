@@ -7,6 +7,8 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -76,17 +78,23 @@ func udpEcho(t testing.TB, client *cluster.NS, src netip.Addr, srv *cluster.NS, 
 	}
 }
 
-// udpBurst sends count datagrams back to back and checks every one arrives
-// intact.
+// udpBurst sends count datagrams as fast as the receiver takes them, with
+// at most burstWindow in flight (less than the TUN's queue of 5000, so a
+// CPU-starved reader cannot make the queue overflow), and checks that every
+// one arrives intact.
 func udpBurst(t testing.TB, client, srv *cluster.NS, dst netip.Addr, count int) {
 	t.Helper()
+	const burstWindow = 1000
 	sp := listenPacket(t, srv, "udp", ":9002")
 	setRcvBuf(t, sp, 64<<20)
 	cp := listenPacket(t, client, "udp", ":0")
 	to := net.UDPAddrFromAddrPort(netip.AddrPortFrom(dst, 9002))
+	var received atomic.Int64
+	progress := make(chan struct{}, 1)
 	done := make(chan []bool, 1)
 	go func() {
 		seen := make([]bool, count)
+		intact := 0
 		buf := make([]byte, 2048)
 		for {
 			sp.SetReadDeadline(time.Now().Add(3 * time.Second))
@@ -95,16 +103,32 @@ func udpBurst(t testing.TB, client, srv *cluster.NS, dst netip.Addr, count int) 
 				done <- seen
 				return
 			}
+			received.Add(1)
+			select {
+			case progress <- struct{}{}:
+			default:
+			}
 			if n != 64 {
 				continue
 			}
 			i := binary.BigEndian.Uint32(buf)
-			if int(i) < count && bytes.Equal(buf[4:n], payload(i)[4:]) {
+			if int(i) < count && !seen[i] && bytes.Equal(buf[4:n], payload(i)[4:]) {
 				seen[i] = true
+				if intact++; intact == count {
+					done <- seen
+					return
+				}
 			}
 		}
 	}()
 	for i := uint32(0); i < uint32(count); i++ {
+		for int64(i)-received.Load() >= burstWindow {
+			select {
+			case <-progress:
+			case <-time.After(3 * time.Second):
+				t.Fatalf("receiver stalled: %d sent, %d received", i, received.Load())
+			}
+		}
 		if _, err := cp.WriteTo(payload(i), to); err != nil {
 			t.Fatalf("send datagram %d: %v", i, err)
 		}
@@ -117,7 +141,8 @@ func udpBurst(t testing.TB, client, srv *cluster.NS, dst netip.Addr, count int) 
 		}
 	}
 	if got != count {
-		t.Fatalf("%d of %d datagrams arrived intact", got, count)
+		t.Fatalf("%d of %d datagrams arrived intact\nreceiver UDP counters: %s\nsender UDP counters: %s\nsoftnet_stat (per CPU, hex: processed dropped squeezed):\n%s",
+			got, count, udpCounters(srv), udpCounters(client), softnet())
 	}
 }
 
@@ -254,4 +279,35 @@ func rawProto(t testing.TB, client, srv *cluster.NS, src, dst netip.Addr) {
 			break
 		}
 	}
+}
+
+// udpCounters returns the Udp line pair of /proc/net/snmp in ns.
+func udpCounters(ns *cluster.NS) string {
+	var out string
+	ns.Do(func() error {
+		b, err := os.ReadFile("/proc/thread-self/net/snmp")
+		if err != nil {
+			out = err.Error()
+			return nil
+		}
+		for _, l := range strings.Split(string(b), "\n") {
+			if strings.HasPrefix(l, "Udp:") {
+				out += "\n  " + l
+			}
+		}
+		return nil
+	})
+	return out
+}
+
+func softnet() string {
+	b, _ := os.ReadFile("/proc/net/softnet_stat")
+	var out string
+	for _, l := range strings.Split(strings.TrimSpace(string(b)), "\n") {
+		f := strings.Fields(l)
+		if len(f) >= 3 {
+			out += "  " + strings.Join(f[:3], " ") + "\n"
+		}
+	}
+	return out
 }
