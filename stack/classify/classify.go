@@ -69,6 +69,14 @@ const (
 	// full. It is dropped, not forwarded, so that mesh traffic never
 	// bypasses the mesh; the client will retransmit.
 	TableFull
+	// FragmentedTCP: an IPv4 fragment of a TCP segment, or an IPv6
+	// fragment whose next header is TCP or an extension header that may
+	// lead to TCP. The classifier cannot see the ports of a later
+	// fragment, and the receiving pod would reassemble the segment, so
+	// letting TCP fragments through verbatim would let a connection
+	// bypass interception. TCP sets DF and does path-MTU discovery, so
+	// real TCP is not fragmented.
+	FragmentedTCP
 
 	numDropReasons = iota
 )
@@ -86,6 +94,7 @@ var dropReasonNames = [numDropReasons]string{
 	TCPTruncated:       "tcp-truncated",
 	BadTCPDataOffset:   "bad-tcp-data-offset",
 	TableFull:          "table-full",
+	FragmentedTCP:      "fragmented-tcp",
 }
 
 // String returns a short kebab-case name such as "table-full".

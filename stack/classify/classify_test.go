@@ -74,10 +74,9 @@ func TestDefaults(t *testing.T) {
 func TestVerbatim(t *testing.T) {
 	a4, b4 := podA4.Addr(), podB4.Addr()
 	a6, b6 := podA6.Addr(), podB6.Addr()
-	syn := tcpHdr(40000, 8080, tcpSYN, 0)
 
-	frag4 := func(flagsOff uint16) []byte {
-		p := ipv4(a4, b4, protoTCP, syn)
+	fragUDP4 := func(flagsOff uint16) []byte {
+		p := udp(podA4, podB4, 100)
 		binary.BigEndian.PutUint16(p[6:], flagsOff)
 		return p
 	}
@@ -91,11 +90,10 @@ func TestVerbatim(t *testing.T) {
 		{"icmp6", ipv6(a6, b6, protoICMPv6, []byte{128, 0, 0, 0, 0, 1, 0, 1})},
 		{"proto253-v4", ipv4(a4, b4, 253, []byte{1, 2, 3})},
 		{"proto253-v6", ipv6(a6, b6, 253, []byte{1, 2, 3})},
-		{"v4-first-fragment-MF", frag4(0x2000)},
-		{"v4-later-fragment", frag4(0x0010)},
-		{"v4-last-fragment", frag4(0x0001)},
-		{"v6-fragment-header", ipv6(a6, b6, protoTCP, syn, ext6{protoFragment, 8})},
-		{"v6-hbh-then-fragment", ipv6(a6, b6, protoTCP, syn, ext6{protoHopByHop, 8}, ext6{protoFragment, 8})},
+		{"v4-udp-first-fragment-MF", fragUDP4(0x2000)},
+		{"v4-udp-later-fragment", fragUDP4(0x0010)},
+		{"v6-udp-fragment", ipv6(a6, b6, protoUDP, udpHdr(1, 2, 0), ext6{protoFragment, 8})},
+		{"v6-hbh-then-udp-fragment", ipv6(a6, b6, protoUDP, udpHdr(1, 2, 0), ext6{protoHopByHop, 8}, ext6{protoFragment, 8})},
 		{"v6-no-next-header", ipv6(a6, b6, protoNoNext, nil)},
 		{"v6-hbh-udp", ipv6(a6, b6, protoUDP, udpHdr(1, 2, 0), ext6{protoHopByHop, 8})},
 		{"v6-esp", ipv6(a6, b6, 50, make([]byte, 16))},
@@ -119,6 +117,40 @@ func TestVerbatim(t *testing.T) {
 	}
 	if st := c.Stats(); st.Verbatim != uint64(len(cases)) || st.Intercepted != 0 || st.Dropped != 0 {
 		t.Fatalf("Stats = %+v, want %d verbatim", st, len(cases))
+	}
+}
+
+// TestFragmentedTCP: TCP fragments are dropped, never verbatim, because a
+// later fragment's ports are invisible and the pod would reassemble them
+// into a connection that bypassed interception.
+func TestFragmentedTCP(t *testing.T) {
+	a4, b4 := podA4.Addr(), podB4.Addr()
+	a6, b6 := podA6.Addr(), podB6.Addr()
+	syn := tcpHdr(40000, 8080, tcpSYN, 0)
+	frag4 := func(flagsOff uint16) []byte {
+		p := ipv4(a4, b4, protoTCP, syn)
+		binary.BigEndian.PutUint16(p[6:], flagsOff)
+		return p
+	}
+	cases := []struct {
+		name string
+		pkt  []byte
+	}{
+		{"v4-first-fragment-MF", frag4(0x2000)},
+		{"v4-later-fragment", frag4(0x0010)},
+		{"v4-last-fragment", frag4(0x0001)},
+		{"v6-fragment-header", ipv6(a6, b6, protoTCP, syn, ext6{protoFragment, 8})},
+		{"v6-hbh-then-fragment", ipv6(a6, b6, protoTCP, syn, ext6{protoHopByHop, 8}, ext6{protoFragment, 8})},
+		{"v6-fragment-then-destopts", ipv6(a6, b6, protoTCP, syn, ext6{protoFragment, 8}, ext6{protoDestOpts, 8})},
+	}
+	c := New(Config{Policy: all})
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			expect(t, c, tc.pkt, Drop, FragmentedTCP)
+		})
+	}
+	if got := c.Stats().DropsByReason[FragmentedTCP]; got != uint64(len(cases)) {
+		t.Fatalf("DropsByReason[FragmentedTCP] = %d, want %d", got, len(cases))
 	}
 }
 

@@ -12,10 +12,12 @@
 //     length below 5 words or beyond the packet, an IP length field that
 //     disagrees with the packet, a truncated or over-long IPv6 extension
 //     header chain, a truncated TCP header or a TCP data offset below 5.
+//   - Fragments of TCP segments (IPv4 MF or offset set with protocol TCP;
+//     an IPv6 Fragment header whose next header is TCP or an extension
+//     header) are dropped with [FragmentedTCP]: their ports cannot be seen,
+//     and verbatim they would let a reassembled connection bypass the mesh.
 //   - Everything that is not TCP is verbatim: UDP, ICMP, ICMPv6 and any other
-//     protocol, and also IPv4 fragments (MF set or a non-zero offset) and
-//     IPv6 packets carrying a Fragment header, since the TCP header cannot be
-//     trusted or even found in them. IPv6 hop-by-hop, routing and destination
+//     protocol, fragmented or not. IPv6 hop-by-hop, routing and destination
 //     options headers are skipped (at most 8 of them) to find TCP.
 //   - A TCP SYN (SYN set; ACK, RST and FIN clear) that the [Policy] selects
 //     starts an intercepted flow. Every later packet of that flow, in either

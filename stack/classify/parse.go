@@ -84,6 +84,9 @@ func parse4(pkt []byte, strict bool, seg *segment) (parseResult, DropReason) {
 	}
 	// MF flag or a non-zero fragment offset: a fragment.
 	if binary.BigEndian.Uint16(pkt[6:8])&0x3fff != 0 {
+		if pkt[9] == protoTCP {
+			return parsedMalformed, FragmentedTCP
+		}
 		return parsedOther, NoDrop
 	}
 	if pkt[9] != protoTCP {
@@ -128,8 +131,19 @@ func parse6(pkt []byte, strict bool, seg *segment) (parseResult, DropReason) {
 			}
 			next = pkt[off]
 			off += l
+		case protoFragment:
+			// A fragment header is 8 bytes; its first byte is the
+			// next header of the fragmented part.
+			if end-off < 8 {
+				return parsedMalformed, ExtHeaderTruncated
+			}
+			switch pkt[off] {
+			case protoTCP, protoHopByHop, protoRouting, protoDestOpts:
+				return parsedMalformed, FragmentedTCP
+			}
+			return parsedOther, NoDrop
 		default:
-			// Fragment, no next header, ESP, AH, UDP, ICMPv6, ...
+			// No next header, ESP, AH, UDP, ICMPv6, ...
 			return parsedOther, NoDrop
 		}
 	}
