@@ -51,6 +51,7 @@ func nsSA(path string) (ns, sa string) {
 // strMatch is a list of Istio string patterns: exact, "prefix*",
 // "*suffix" and "*" (presence). No pattern matches the empty string.
 type strMatch struct {
+	set      bool // any pattern at all
 	presence bool
 	exact    []string
 	exactSet map[string]struct{} // instead of exact for long lists
@@ -60,9 +61,7 @@ type strMatch struct {
 
 const exactSetMin = 16
 
-func (m *strMatch) empty() bool {
-	return !m.presence && len(m.exact) == 0 && m.exactSet == nil && len(m.prefix) == 0 && len(m.suffix) == 0
-}
+func (m *strMatch) empty() bool { return !m.set }
 
 func (m *strMatch) add(p string) {
 	switch {
@@ -78,6 +77,7 @@ func (m *strMatch) add(p string) {
 }
 
 func (m *strMatch) finish() {
+	m.set = m.presence || len(m.exact) > 0 || len(m.prefix) > 0 || len(m.suffix) > 0
 	if len(m.exact) >= exactSetMin {
 		m.exactSet = make(map[string]struct{}, len(m.exact))
 		for _, e := range m.exact {
