@@ -3,6 +3,13 @@
 // atomically on every change. Readers on the packet path load the current
 // snapshot without locks and look up addresses without allocating; a
 // reload never stalls traffic.
+//
+// Everything a connection needs is precomputed when a snapshot is built:
+// workloads and services by address, each service's healthy endpoints per
+// address family (and per node, for services that prefer endpoints on the
+// caller's node), and for each workload the authorization policies that
+// apply to it. A lookup is one map access; authorizing a connection is one
+// map access and the evaluation of the workload's own policies.
 package registry
 
 import (
@@ -11,6 +18,8 @@ import (
 	"sync/atomic"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
+
+	"github.com/meshtun/meshtun/mesh/policy"
 )
 
 // PeerAuth is a workload's peer-authentication mode.
@@ -31,10 +40,29 @@ func (m PeerAuth) String() string {
 	return "PERMISSIVE"
 }
 
+// Health is whether a workload may be picked as a service endpoint.
+type Health uint8
+
+const (
+	// Healthy workloads receive new connections through services.
+	Healthy Health = iota
+	// Unhealthy workloads are left out of service load balancing; direct
+	// connections to their addresses still work.
+	Unhealthy
+)
+
+func (h Health) String() string {
+	if h == Unhealthy {
+		return "UNHEALTHY"
+	}
+	return "HEALTHY"
+}
+
 // Workload is a pod (or any addressable endpoint) the mesh knows.
 type Workload struct {
-	Name           string
-	Namespace      string
+	Name      string
+	Namespace string
+	// ServiceAccount is "default" (as in Kubernetes) when empty.
 	ServiceAccount string
 	// Node is the name of the node the workload runs on.
 	Node string
@@ -46,47 +74,403 @@ type Workload struct {
 	// mesh is known (for services and policy) but reached in plaintext.
 	InMesh   bool
 	PeerAuth PeerAuth
+	// Health decides whether services pick the workload as an endpoint.
+	Health Health
 	// Identity is spiffe://<trust domain>/ns/<Namespace>/sa/<ServiceAccount>;
 	// filled in by NewSnapshot.
 	Identity spiffeid.ID
+
+	authz policy.Set // the policies that apply to the workload; set by Build
 }
 
 // String returns namespace/name.
 func (w *Workload) String() string { return w.Namespace + "/" + w.Name }
 
-// Snapshot is one immutable version of the mesh model. Never modify a
-// Snapshot or anything it points to after NewSnapshot.
-type Snapshot struct {
-	TrustDomain spiffeid.TrustDomain
-	Workloads   []*Workload
-
-	byAddr map[netip.Addr]*Workload
+// Addr returns the workload's first address of the family of like (IPv4
+// or IPv6), or false if it has none.
+func (w *Workload) Addr(like netip.Addr) (netip.Addr, bool) {
+	v4 := like.Unmap().Is4()
+	for _, a := range w.Addresses {
+		if a = a.Unmap(); a.Is4() == v4 {
+			return a, true
+		}
+	}
+	return netip.Addr{}, false
 }
 
-// NewSnapshot indexes workloads and fills in their identities. Two
-// workloads may not share an address.
+// Policies returns the authorization policies that apply to the workload
+// (DENY ones, then ALLOW ones) and whether it requires a verified peer
+// identity. Only workloads of a Snapshot have them.
+func (w *Workload) Policies() (deny, allow []*policy.Policy, strict bool) {
+	d, a := w.authz.Policies()
+	return d, a, w.authz.Strict()
+}
+
+// ServicePort is one port of a service.
+type ServicePort struct {
+	// Name is optional ("http", "grpc", …).
+	Name string
+	// Port is the port clients connect to on the service VIPs.
+	Port uint16
+	// TargetPort is the port of the endpoints; 0 means Port.
+	TargetPort uint16
+}
+
+// Target returns the endpoint port for p.
+func (p *ServicePort) Target() uint16 {
+	if p.TargetPort == 0 {
+		return p.Port
+	}
+	return p.TargetPort
+}
+
+// WorkloadRef names a workload.
+type WorkloadRef struct {
+	Namespace, Name string
+}
+
+// String returns namespace/name.
+func (r WorkloadRef) String() string { return r.Namespace + "/" + r.Name }
+
+// Endpoint is a service endpoint: a workload and its address of the
+// family of the VIP it was picked for.
+type Endpoint struct {
+	Workload *Workload
+	Addr     netip.Addr
+}
+
+// Service is a set of workloads reachable through virtual IPs.
+type Service struct {
+	Name      string
+	Namespace string
+	// Hostname is the service's FQDN, sent as the HBONE forwarded host;
+	// Build fills in <name>.<namespace>.svc.<domain suffix> when empty.
+	Hostname string
+	// VIPs are the service's virtual addresses, IPv4 and IPv6.
+	VIPs  []netip.Addr
+	Ports []ServicePort
+	// Selector selects the endpoints among the workloads of the service's
+	// namespace by label. When it is empty, Workloads lists them.
+	Selector  map[string]string
+	Workloads []WorkloadRef
+	// PreferSameNode: Pick chooses among the endpoints on the caller's
+	// node when there are any (Kubernetes' trafficDistribution:
+	// PreferSameNode).
+	PreferSameNode bool
+
+	eps [2]endpointSet // by family: [0] IPv4, [1] IPv6
+}
+
+type endpointSet struct {
+	all    []Endpoint
+	byNode map[string][]Endpoint // only with PreferSameNode
+}
+
+func family(a netip.Addr) int {
+	if a.Unmap().Is4() {
+		return 0
+	}
+	return 1
+}
+
+// String returns namespace/name.
+func (s *Service) String() string { return s.Namespace + "/" + s.Name }
+
+// Endpoints returns the healthy endpoints of the family of vip. Do not
+// modify the result.
+func (s *Service) Endpoints(vip netip.Addr) []Endpoint { return s.eps[family(vip)].all }
+
+// Pick chooses an endpoint for a connection to vip from node: at random
+// among the healthy endpoints that have an address of vip's family,
+// restricted to those on node when the service prefers same-node
+// endpoints and node has any. It reports false when there is no endpoint.
+// Pick is safe for concurrent use and does not allocate.
+func (s *Service) Pick(vip netip.Addr, node string) (Endpoint, bool) {
+	return s.pick(vip, node, randN)
+}
+
+func (s *Service) pick(vip netip.Addr, node string, rnd func(int) int) (Endpoint, bool) {
+	set := &s.eps[family(vip)]
+	list := set.all
+	if set.byNode != nil {
+		if local := set.byNode[node]; len(local) > 0 {
+			list = local
+		}
+	}
+	switch len(list) {
+	case 0:
+		return Endpoint{}, false
+	case 1:
+		return list[0], true
+	}
+	return list[rnd(len(list))], true
+}
+
+// Snapshot is one immutable version of the mesh model. Never modify a
+// Snapshot or anything it points to after it is built.
+type Snapshot struct {
+	TrustDomain spiffeid.TrustDomain
+	// RootNamespace is where policies without a selector apply mesh-wide.
+	RootNamespace string
+	// Workloads, Services and Policies are the snapshot's own copies of
+	// the model's, in the model's order.
+	Workloads []*Workload
+	Services  []*Service
+	Policies  []*policy.Policy
+
+	byAddr    *addrTable[*Workload] // port 0
+	byName    map[WorkloadRef]*Workload
+	svcByDest *addrTable[svcPort]  // VIP and service port
+	svcByVIP  *addrTable[*Service] // port 0
+	svcByName map[WorkloadRef]*Service
+}
+
+type svcPort struct {
+	svc  *Service
+	port *ServicePort
+}
+
+// Defaults for Model fields left empty.
+const (
+	DefaultRootNamespace = "istio-system"
+	DefaultDomainSuffix  = "cluster.local"
+)
+
+// Model is what a Snapshot is built from.
+type Model struct {
+	TrustDomain spiffeid.TrustDomain
+	// RootNamespace is the namespace of mesh-wide policies;
+	// DefaultRootNamespace if empty.
+	RootNamespace string
+	// DomainSuffix completes service hostnames; DefaultDomainSuffix if
+	// empty.
+	DomainSuffix string
+	Workloads    []*Workload
+	Services     []*Service
+	// Policies must have been built by policy.New.
+	Policies []*policy.Policy
+}
+
+// NewSnapshot builds a snapshot of workloads alone, without services or
+// policies. See Build.
 func NewSnapshot(td spiffeid.TrustDomain, workloads []*Workload) (*Snapshot, error) {
-	s := &Snapshot{TrustDomain: td, Workloads: workloads, byAddr: make(map[netip.Addr]*Workload)}
-	for _, w := range workloads {
-		id, err := spiffeid.FromSegments(td, "ns", w.Namespace, "sa", w.ServiceAccount)
+	return Build(Model{TrustDomain: td, Workloads: workloads})
+}
+
+// Build indexes the model into a snapshot. The snapshot holds copies of the
+// model's workloads and services (with Identity and Hostname filled in) and
+// shares their slices and maps, which must not change afterwards. Two
+// workloads may not share an address or a name, two services not a
+// name, and a VIP:port belongs to one service; a VIP is not a workload
+// address.
+func Build(m Model) (*Snapshot, error) {
+	if m.TrustDomain.IsZero() {
+		return nil, fmt.Errorf("registry: no trust domain")
+	}
+	if m.RootNamespace == "" {
+		m.RootNamespace = DefaultRootNamespace
+	}
+	if m.DomainSuffix == "" {
+		m.DomainSuffix = DefaultDomainSuffix
+	}
+	nAddrs, nVIPs, nDests := 0, 0, 0
+	for _, w := range m.Workloads {
+		nAddrs += len(w.Addresses)
+	}
+	for _, svc := range m.Services {
+		nVIPs += len(svc.VIPs)
+		nDests += len(svc.VIPs) * len(svc.Ports)
+	}
+	s := &Snapshot{
+		TrustDomain:   m.TrustDomain,
+		RootNamespace: m.RootNamespace,
+		Policies:      m.Policies,
+		Workloads:     make([]*Workload, 0, len(m.Workloads)),
+		Services:      make([]*Service, 0, len(m.Services)),
+		byAddr:        newAddrTable[*Workload](nAddrs),
+		byName:        make(map[WorkloadRef]*Workload, len(m.Workloads)),
+		svcByDest:     newAddrTable[svcPort](nDests),
+		svcByVIP:      newAddrTable[*Service](nVIPs),
+		svcByName:     make(map[WorkloadRef]*Service, len(m.Services)),
+	}
+	idx, err := newPolicyIndex(m.RootNamespace, m.Policies)
+	if err != nil {
+		return nil, err
+	}
+	byNS := make(map[string][]*Workload)
+	for _, in := range m.Workloads {
+		w := *in
+		if w.Name == "" || w.Namespace == "" {
+			return nil, fmt.Errorf("registry: workload %q: name and namespace are required", w.String())
+		}
+		ref := WorkloadRef{w.Namespace, w.Name}
+		if _, dup := s.byName[ref]; dup {
+			return nil, fmt.Errorf("registry: two workloads named %s", ref)
+		}
+		if w.ServiceAccount == "" {
+			w.ServiceAccount = "default" // as Kubernetes does
+		}
+		id, err := spiffeid.FromSegments(m.TrustDomain, "ns", w.Namespace, "sa", w.ServiceAccount)
 		if err != nil {
-			return nil, fmt.Errorf("registry: workload %s: identity: %w", w, err)
+			return nil, fmt.Errorf("registry: workload %s: identity: %w", &w, err)
 		}
 		w.Identity = id
+		w.authz, err = policy.NewSet(idx.forWorkload(w.Namespace, w.Labels), w.PeerAuth == Strict)
+		if err != nil {
+			return nil, fmt.Errorf("registry: workload %s: %w", &w, err)
+		}
+		wp := &w
 		for _, a := range w.Addresses {
 			a = a.Unmap()
-			if other, dup := s.byAddr[a]; dup {
-				return nil, fmt.Errorf("registry: address %s belongs to both %s and %s", a, other, w)
+			if !a.IsValid() {
+				return nil, fmt.Errorf("registry: workload %s has an invalid address", wp)
 			}
-			s.byAddr[a] = w
+			if other, dup := s.byAddr.get(a, 0); dup {
+				return nil, fmt.Errorf("registry: address %s belongs to both %s and %s", a, other, wp)
+			}
+			s.byAddr.put(a, 0, wp)
+		}
+		s.byName[ref] = wp
+		s.Workloads = append(s.Workloads, wp)
+		byNS[w.Namespace] = append(byNS[w.Namespace], wp)
+	}
+	for _, in := range m.Services {
+		svc := *in
+		if err := s.addService(&svc, m.DomainSuffix, byNS); err != nil {
+			return nil, fmt.Errorf("registry: service %s: %w", &svc, err)
 		}
 	}
 	return s, nil
 }
 
+func (s *Snapshot) addService(svc *Service, suffix string, byNS map[string][]*Workload) error {
+	if svc.Name == "" || svc.Namespace == "" {
+		return fmt.Errorf("name and namespace are required")
+	}
+	ref := WorkloadRef{svc.Namespace, svc.Name}
+	if _, dup := s.svcByName[ref]; dup {
+		return fmt.Errorf("two services with this name")
+	}
+	if svc.Hostname == "" {
+		svc.Hostname = svc.Name + "." + svc.Namespace + ".svc." + suffix
+	}
+	for i := range svc.Ports {
+		if svc.Ports[i].Port == 0 {
+			return fmt.Errorf("port 0")
+		}
+		for j := range i {
+			if svc.Ports[j].Port == svc.Ports[i].Port {
+				return fmt.Errorf("port %d listed twice", svc.Ports[i].Port)
+			}
+		}
+	}
+	for _, vip := range svc.VIPs {
+		vip = vip.Unmap()
+		if !vip.IsValid() {
+			return fmt.Errorf("invalid VIP")
+		}
+		if w, ok := s.byAddr.get(vip, 0); ok {
+			return fmt.Errorf("VIP %s is the address of workload %s", vip, w)
+		}
+		if other, ok := s.svcByVIP.get(vip, 0); ok {
+			return fmt.Errorf("VIP %s is also a VIP of service %s", vip, other)
+		}
+		s.svcByVIP.put(vip, 0, svc)
+		for i := range svc.Ports {
+			s.svcByDest.put(vip, svc.Ports[i].Port, svcPort{svc, &svc.Ports[i]})
+		}
+	}
+	var members []*Workload
+	if len(svc.Selector) > 0 {
+		for _, w := range byNS[svc.Namespace] {
+			if policy.SelectorMatches(svc.Selector, w.Labels) {
+				members = append(members, w)
+			}
+		}
+	} else {
+		for _, r := range svc.Workloads {
+			w := s.byName[r]
+			if w == nil {
+				return fmt.Errorf("endpoint %s is not a known workload", r)
+			}
+			members = append(members, w)
+		}
+	}
+	svc.eps = [2]endpointSet{}
+	for _, w := range members {
+		if w.Health != Healthy {
+			continue
+		}
+		for f, like := range [2]netip.Addr{netip.IPv4Unspecified(), netip.IPv6Unspecified()} {
+			a, ok := w.Addr(like)
+			if !ok {
+				continue
+			}
+			e := Endpoint{Workload: w, Addr: a}
+			set := &svc.eps[f]
+			set.all = append(set.all, e)
+			if svc.PreferSameNode {
+				if set.byNode == nil {
+					set.byNode = make(map[string][]Endpoint)
+				}
+				set.byNode[w.Node] = append(set.byNode[w.Node], e)
+			}
+		}
+	}
+	s.svcByName[ref] = svc
+	s.Services = append(s.Services, svc)
+	return nil
+}
+
 // Workload returns the workload with address a, or nil.
 func (s *Snapshot) Workload(a netip.Addr) *Workload {
-	return s.byAddr[a.Unmap()]
+	if !a.IsValid() {
+		return nil
+	}
+	w, _ := s.byAddr.get(a, 0)
+	return w
+}
+
+// WorkloadByName returns the workload namespace/name, or nil.
+func (s *Snapshot) WorkloadByName(namespace, name string) *Workload {
+	return s.byName[WorkloadRef{namespace, name}]
+}
+
+// Service returns the service with VIP dst.Addr() and the port of it that
+// is dst.Port(), or nil, nil. A VIP on a port the service does not have is
+// not found here; ServiceByVIP finds it.
+func (s *Snapshot) Service(dst netip.AddrPort) (*Service, *ServicePort) {
+	if !dst.Addr().IsValid() {
+		return nil, nil
+	}
+	sp, _ := s.svcByDest.get(dst.Addr(), dst.Port())
+	return sp.svc, sp.port
+}
+
+// ServiceByVIP returns the service with virtual address a, or nil.
+func (s *Snapshot) ServiceByVIP(a netip.Addr) *Service {
+	if !a.IsValid() {
+		return nil
+	}
+	svc, _ := s.svcByVIP.get(a, 0)
+	return svc
+}
+
+// ServiceByName returns the service namespace/name, or nil.
+func (s *Snapshot) ServiceByName(namespace, name string) *Service {
+	return s.svcByName[WorkloadRef{namespace, name}]
+}
+
+// Authorize decides whether r may reach the workload at r.Dest's address,
+// by the policies that apply to that workload and its peer-authentication
+// mode (see package policy). A destination that is no known workload is
+// denied. Authorize does not allocate.
+func (s *Snapshot) Authorize(r *policy.Request) policy.Decision {
+	w := s.Workload(r.Dest.Addr())
+	if w == nil {
+		return policy.Decision{Reason: policy.UnknownDestination}
+	}
+	return w.authz.Evaluate(r)
 }
 
 // Registry holds the current Snapshot.
