@@ -1,0 +1,336 @@
+// Package config reads meshtun's YAML configuration file: the mesh
+// (trust domain, workloads, services, authorization policies) and the
+// nodes that run a meshtun proxy (TUN device, links, listen addresses).
+// It is the embedded default source of the registry: Load parses and
+// validates a file, Snapshot turns it into a registry.Snapshot, Node
+// returns one node's settings, and Watch reloads the file when it changes.
+//
+// Decoding is strict: an unknown field, a value of the wrong kind, an
+// invalid address or a reference to something that does not exist is an
+// error naming the file, the line, the field path and the reason, e.g.
+//
+//	mesh.yaml:14:21: workloads[2].addresses[0]: "198.18.1.300" is not an IP address
+//
+// docs/config.md documents every field.
+package config
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"reflect"
+	"regexp"
+	"strconv"
+	"time"
+
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"gopkg.in/yaml.v3"
+
+	"github.com/meshtun/meshtun/mesh/policy"
+	"github.com/meshtun/meshtun/mesh/registry"
+)
+
+// Defaults for fields the file leaves out.
+const (
+	DefaultTrustDomain   = "cluster.local"
+	DefaultRootNamespace = registry.DefaultRootNamespace
+	DefaultClusterDomain = registry.DefaultDomainSuffix
+	DefaultCADir         = "/var/lib/meshtun/ca"
+	DefaultTUNName       = "meshtun0"
+	DefaultMTU           = 1500
+	DefaultAdmin         = "127.0.0.1:15000"
+	DefaultMetrics       = ":15020"
+	DefaultReadiness     = ":15021"
+	DefaultNamespace     = "default"
+	DefaultSA            = "default"
+)
+
+// Config is a parsed and validated config file. Load fills in defaults;
+// do not modify a Config that Snapshot or Node will read.
+type Config struct {
+	// TrustDomain is the SPIFFE trust domain of every workload identity.
+	TrustDomain string `yaml:"trustDomain"`
+	// RootNamespace is where authorization policies apply mesh-wide.
+	RootNamespace string `yaml:"rootNamespace"`
+	// ClusterDomain completes service hostnames:
+	// <name>.<namespace>.svc.<clusterDomain>.
+	ClusterDomain string `yaml:"clusterDomain"`
+	// PeerAuthentication is the mesh-wide default mode, STRICT or
+	// PERMISSIVE, for workloads that do not set theirs.
+	PeerAuthentication    string                `yaml:"peerAuthentication"`
+	CA                    CAConfig              `yaml:"ca"`
+	Nodes                 []NodeConfig          `yaml:"nodes"`
+	Workloads             []Workload            `yaml:"workloads"`
+	Services              []Service             `yaml:"services"`
+	AuthorizationPolicies []AuthorizationPolicy `yaml:"authorizationPolicies"`
+
+	// Path is the file the config was loaded from.
+	Path string `yaml:"-"`
+	// Warnings are problems that do not stop the config from working (a
+	// selector that selects nothing, …), formatted like errors.
+	Warnings []string `yaml:"-"`
+
+	td       spiffeid.TrustDomain
+	policies []*policy.Policy
+}
+
+// CAConfig is the built-in certificate authority.
+type CAConfig struct {
+	// Dir holds the CA root key and certificate (created on first use).
+	Dir string `yaml:"dir"`
+	// SVIDTTL is the lifetime of issued workload certificates; zero means
+	// the CA's default (24h).
+	SVIDTTL time.Duration `yaml:"svidTTL"`
+}
+
+// NodeConfig is one node that runs a meshtun proxy.
+type NodeConfig struct {
+	Name string    `yaml:"name"`
+	TUN  TUNConfig `yaml:"tun"`
+	// Uplinks are the node's links towards other nodes.
+	Uplinks []string `yaml:"uplinks"`
+	// CaptureLinks are the node-side links of captured pods. After Load it
+	// also holds the captureLink of every mesh workload on the node.
+	CaptureLinks []string     `yaml:"captureLinks"`
+	Listen       ListenConfig `yaml:"listen"`
+}
+
+// TUNConfig is the node's TUN device.
+type TUNConfig struct {
+	Name string `yaml:"name"`
+	MTU  int    `yaml:"mtu"`
+	// TxQueueLen is the device's transmit queue length; zero means the
+	// tun package's default.
+	TxQueueLen int `yaml:"txQueueLen"`
+}
+
+// ListenConfig holds the addresses of the node's HTTP endpoints, as
+// host:port; an empty value (written as "") disables the endpoint.
+type ListenConfig struct {
+	Admin     string `yaml:"admin"`
+	Metrics   string `yaml:"metrics"`
+	Readiness string `yaml:"readiness"`
+}
+
+// Workload is a pod or any other addressable endpoint.
+type Workload struct {
+	Name           string            `yaml:"name"`
+	Namespace      string            `yaml:"namespace"`
+	ServiceAccount string            `yaml:"serviceAccount"`
+	Node           string            `yaml:"node"`
+	Addresses      []netip.Addr      `yaml:"addresses"`
+	Labels         map[string]string `yaml:"labels"`
+	// CaptureLink is the node-side link of the workload (its veth peer):
+	// the node captures it when the workload is in the mesh.
+	CaptureLink string `yaml:"captureLink"`
+	// Mesh: the workload's traffic goes through the mesh (default true).
+	Mesh *bool `yaml:"mesh"`
+	// PeerAuthentication is STRICT or PERMISSIVE; the mesh default if
+	// empty.
+	PeerAuthentication string `yaml:"peerAuthentication"`
+}
+
+// InMesh reports whether the workload is in the mesh (Mesh, default true).
+func (w *Workload) InMesh() bool { return w.Mesh == nil || *w.Mesh }
+
+// Service is a set of workloads behind virtual IPs.
+type Service struct {
+	Name      string `yaml:"name"`
+	Namespace string `yaml:"namespace"`
+	// Hostname overrides <name>.<namespace>.svc.<clusterDomain>.
+	Hostname string        `yaml:"hostname"`
+	VIPs     []netip.Addr  `yaml:"vips"`
+	Ports    []ServicePort `yaml:"ports"`
+	// Selector selects the endpoints by label among the workloads of the
+	// service's namespace; Workloads lists them instead ("name" for one of
+	// the service's namespace, "namespace/name" for any).
+	Selector  map[string]string `yaml:"selector"`
+	Workloads []string          `yaml:"workloads"`
+	// TrafficDistribution is empty (any endpoint) or PreferSameNode.
+	TrafficDistribution string `yaml:"trafficDistribution"`
+}
+
+// ServicePort maps a service port to the endpoints' target port.
+type ServicePort struct {
+	Name       string `yaml:"name"`
+	Port       uint16 `yaml:"port,port"`
+	TargetPort uint16 `yaml:"targetPort,port"`
+}
+
+// Selector is a label selector: {app: echo}, or Istio's
+// {matchLabels: {app: echo}}.
+type Selector map[string]string
+
+// AuthorizationPolicy is an Istio AuthorizationPolicy (L4 fields).
+type AuthorizationPolicy struct {
+	Name      string   `yaml:"name"`
+	Namespace string   `yaml:"namespace"`
+	Selector  Selector `yaml:"selector"`
+	// Action is ALLOW (the default) or DENY.
+	Action string `yaml:"action"`
+	Rules  []Rule `yaml:"rules"`
+}
+
+// Rule is one rule of a policy.
+type Rule struct {
+	From []From      `yaml:"from"`
+	To   []To        `yaml:"to"`
+	When []Condition `yaml:"when"`
+}
+
+// From is one source of a rule: {source: {…}} as in Istio, or the source
+// fields directly.
+type From struct {
+	Source  Source
+	wrapped bool
+}
+
+// To is one operation of a rule: {operation: {…}} as in Istio, or the
+// operation fields directly.
+type To struct {
+	Operation Operation
+	wrapped   bool
+}
+
+// Source matches the peer of a connection.
+type Source struct {
+	Principals         []string         `yaml:"principals"`
+	NotPrincipals      []string         `yaml:"notPrincipals"`
+	Namespaces         []string         `yaml:"namespaces"`
+	NotNamespaces      []string         `yaml:"notNamespaces"`
+	ServiceAccounts    []string         `yaml:"serviceAccounts"`
+	NotServiceAccounts []string         `yaml:"notServiceAccounts"`
+	IPBlocks           []policy.IPBlock `yaml:"ipBlocks"`
+	NotIPBlocks        []policy.IPBlock `yaml:"notIpBlocks"`
+}
+
+// Operation matches the destination port of a connection.
+type Operation struct {
+	Ports    []uint16 `yaml:"ports,port"`
+	NotPorts []uint16 `yaml:"notPorts,port"`
+}
+
+// Condition is one entry of a rule's when clause.
+type Condition struct {
+	Key       string   `yaml:"key"`
+	Values    []string `yaml:"values"`
+	NotValues []string `yaml:"notValues"`
+}
+
+// Load reads, parses and validates the config file at path. Its error is
+// an Errors listing every problem, each with file, line and field, or a
+// plain error when the file cannot be read.
+func Load(path string) (*Config, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("config: %w", err)
+	}
+	return Parse(path, data)
+}
+
+var yamlLine = regexp.MustCompile(`^yaml: line (\d+): (.*)$`)
+
+// Parse parses and validates config data; name is used in errors.
+func Parse(name string, data []byte) (*Config, error) {
+	file := filepath.Base(name)
+	var doc yaml.Node
+	dec := yaml.NewDecoder(bytes.NewReader(data))
+	if err := dec.Decode(&doc); err != nil {
+		if errors.Is(err, io.EOF) {
+			return nil, Errors{{File: file, Reason: "the file is empty"}}
+		}
+		e := &Error{File: file, Reason: err.Error()}
+		if m := yamlLine.FindStringSubmatch(err.Error()); m != nil {
+			e.Line, _ = strconv.Atoi(m[1])
+			e.Reason = m[2]
+		}
+		return nil, Errors{e}
+	}
+	var extra yaml.Node
+	if err := dec.Decode(&extra); err == nil {
+		return nil, Errors{{File: file, Line: extra.Line, Reason: "more than one YAML document; put everything in one"}}
+	}
+	root := &doc
+	if root.Kind == yaml.DocumentNode && len(root.Content) == 1 {
+		root = root.Content[0]
+	}
+	d := newDecoder(file)
+	c := &Config{Path: name}
+	d.decode(root, reflect.ValueOf(c).Elem(), "", "")
+	if len(d.errs) == 0 {
+		c.validate(d)
+	}
+	sortErrors(d.errs)
+	if len(d.errs) > 0 {
+		return nil, Errors(d.errs)
+	}
+	sortErrors(d.warns)
+	for _, w := range d.warns {
+		c.Warnings = append(c.Warnings, w.Error())
+	}
+	return c, nil
+}
+
+// Node returns the settings of the node called name.
+func (c *Config) Node(name string) (*NodeConfig, error) {
+	var names []string
+	for i := range c.Nodes {
+		if c.Nodes[i].Name == name {
+			n := c.Nodes[i]
+			return &n, nil
+		}
+		names = append(names, c.Nodes[i].Name)
+	}
+	return nil, fmt.Errorf("config %s: no node %q (nodes: %v)", c.Path, name, names)
+}
+
+// Snapshot builds the registry snapshot the config describes. Each call
+// returns a new snapshot.
+func (c *Config) Snapshot() (*registry.Snapshot, error) {
+	m := registry.Model{
+		TrustDomain:   c.td,
+		RootNamespace: c.RootNamespace,
+		DomainSuffix:  c.ClusterDomain,
+		Policies:      c.policies,
+	}
+	for i := range c.Workloads {
+		w := &c.Workloads[i]
+		rw := &registry.Workload{
+			Name: w.Name, Namespace: w.Namespace, ServiceAccount: w.ServiceAccount, Node: w.Node,
+			Labels: w.Labels, InMesh: w.InMesh(),
+		}
+		for _, a := range w.Addresses {
+			rw.Addresses = append(rw.Addresses, a)
+		}
+		if w.PeerAuthentication == "STRICT" {
+			rw.PeerAuth = registry.Strict
+		}
+		m.Workloads = append(m.Workloads, rw)
+	}
+	for i := range c.Services {
+		s := &c.Services[i]
+		rs := &registry.Service{
+			Name: s.Name, Namespace: s.Namespace, Hostname: s.Hostname, Selector: s.Selector,
+			PreferSameNode: s.TrafficDistribution == "PreferSameNode",
+		}
+		for _, v := range s.VIPs {
+			rs.VIPs = append(rs.VIPs, v)
+		}
+		for _, p := range s.Ports {
+			rs.Ports = append(rs.Ports, registry.ServicePort{Name: p.Name, Port: p.Port, TargetPort: p.TargetPort})
+		}
+		for _, ref := range s.Workloads {
+			rs.Workloads = append(rs.Workloads, workloadRef(s.Namespace, ref))
+		}
+		m.Services = append(m.Services, rs)
+	}
+	snap, err := registry.Build(m)
+	if err != nil {
+		return nil, fmt.Errorf("config %s: %w", c.Path, err)
+	}
+	return snap, nil
+}
