@@ -38,6 +38,8 @@ func main() {
 	switch cmd, args := os.Args[1], os.Args[2:]; cmd {
 	case "node":
 		err = runNode(ctx, args)
+	case "demo":
+		err = runDemo(ctx, args)
 	case "version":
 		fmt.Println(version())
 	case "-h", "-help", "--help", "help":
