@@ -20,6 +20,13 @@ test: vet build
 	$(GO) test -count=1 -timeout 30m $(PKGS)
 	$(GO) test -run '^$$' -fuzz FuzzClassify -fuzztime 20s ./stack/classify
 
+# demo builds meshtun and runs `meshtun demo`: a two-node cluster in
+# network namespaces, real traffic through it and how each flow travelled.
+# As root it uses the machine's namespaces; as any other user, namespaces of
+# its own (unprivileged user namespaces and a usable /dev/net/tun needed).
+demo: build
+	./$(BIN) demo
+
 bench: build
 	$(GO) test -run '^$$' -bench . -benchmem ./stack/classify
 	$(GO) test -run '^$$' -bench . -benchtime 3x ./test/e2e
