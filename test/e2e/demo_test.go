@@ -1,0 +1,399 @@
+package e2e
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// nobody is the unprivileged user the rootless demo runs as.
+const nobody = 65534
+
+// demoSummary is the part of `meshtun demo --json` the test reads.
+type demoSummary struct {
+	Mode       string   `json:"mode"`
+	Cluster    string   `json:"cluster"`
+	Namespaces []string `json:"namespaces"`
+	Nodes      []struct {
+		Name string `json:"name"`
+		PID  int    `json:"pid"`
+	} `json:"nodes"`
+	Dir     string  `json:"dir"`
+	OK      bool    `json:"ok"`
+	Seconds float64 `json:"seconds"`
+	Flows   []struct {
+		Name            string `json:"name"`
+		Protocol        string `json:"protocol"`
+		Route           string `json:"route"`
+		WantRoute       string `json:"want_route"`
+		Outcome         string `json:"outcome"`
+		WantOutcome     string `json:"want_outcome"`
+		Error           string `json:"error"`
+		CrossesWire     bool   `json:"crosses_wire"`
+		PlaintextOnWire string `json:"plaintext_on_wire"`
+	} `json:"flows"`
+}
+
+// TestDemo runs `meshtun demo` the ways a user does: as an unprivileged
+// user (rootless, in namespaces the demo makes itself), as root, with
+// --keep and --down, and interrupted; each time it checks the summary and
+// that nothing of the demo is left behind.
+func TestDemo(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Fatalf("TestDemo needs root: it runs the demo as uid %d and as root, and inspects /run/netns", nobody)
+	}
+	bin := publicCopy(t, meshtunBin)
+
+	t.Run("rootless", func(t *testing.T) {
+		requireUserNamespaces(t)
+		s := runDemoJSON(t, bin, true)
+		checkSummary(t, s, "rootless")
+		checkNothingLeft(t, bin, s)
+	})
+	t.Run("root", func(t *testing.T) {
+		s := runDemoJSON(t, bin, false)
+		checkSummary(t, s, "root")
+		checkNothingLeft(t, bin, s)
+	})
+	t.Run("keep and down", func(t *testing.T) {
+		out, err := demoCommand(t, bin, false, "--keep", "--json").Output()
+		if err != nil {
+			t.Fatalf("meshtun demo --keep: %v", err)
+		}
+		var s demoSummary
+		if err := json.Unmarshal(out, &s); err != nil {
+			t.Fatalf("meshtun demo --keep --json: %v\n%s", err, out)
+		}
+		t.Cleanup(func() { exec.Command(bin, "demo", "--down").Run() })
+		checkSummary(t, s, "root")
+		for _, ns := range s.Namespaces {
+			if _, err := os.Stat(filepath.Join("/run/netns", ns)); err != nil {
+				t.Errorf("kept cluster: namespace %s: %v", ns, err)
+			}
+		}
+		for _, n := range s.Nodes {
+			if syscall.Kill(n.PID, 0) != nil {
+				t.Errorf("kept cluster: meshtun node %s (pid %d) is not running", n.Name, n.PID)
+			}
+		}
+		if _, err := os.Stat(filepath.Join(s.Dir, "config.json")); err != nil {
+			t.Errorf("kept cluster: generated config: %v", err)
+		}
+		if out, err := demoCommand(t, bin, false, "--down").CombinedOutput(); err != nil {
+			t.Fatalf("meshtun demo --down: %v\n%s", err, out)
+		}
+		checkNothingLeft(t, bin, s)
+	})
+	t.Run("interrupted rootless", func(t *testing.T) {
+		requireUserNamespaces(t)
+		interrupt(t, bin, true)
+	})
+	t.Run("interrupted root", func(t *testing.T) { interrupt(t, bin, false) })
+}
+
+// publicCopy copies the binary into a directory that uid nobody can
+// traverse (the test's build directory is private to root).
+func publicCopy(t *testing.T, src string) string {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "meshtun-demo-e2e-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	if err := os.Chmod(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	b, err := os.ReadFile(src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dst := filepath.Join(dir, "meshtun")
+	if err := os.WriteFile(dst, b, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	return dst
+}
+
+// requireUserNamespaces fails the test, saying why, unless uid nobody can
+// create a user namespace with a network namespace in it.
+func requireUserNamespaces(t *testing.T) {
+	t.Helper()
+	cmd := exec.Command("unshare", "--user", "--map-root-user", "--net", "true")
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: nobody, Gid: nobody}}
+	out, err := cmd.CombinedOutput()
+	if err == nil {
+		return
+	}
+	var settings []string
+	for _, k := range []string{"user/max_user_namespaces", "kernel/unprivileged_userns_clone", "kernel/apparmor_restrict_unprivileged_userns"} {
+		if b, err := os.ReadFile("/proc/sys/" + k); err == nil {
+			settings = append(settings, strings.ReplaceAll(k, "/", ".")+" = "+strings.TrimSpace(string(b)))
+		}
+	}
+	t.Fatalf("unprivileged user namespaces do not work on this machine, so the rootless demo cannot run: "+
+		"`unshare --user --map-root-user --net true` as uid %d: %v %s\nkernel settings: %s\n"+
+		"(want user.max_user_namespaces > 0, kernel.unprivileged_userns_clone = 1 and "+
+		"kernel.apparmor_restrict_unprivileged_userns = 0 where they exist)",
+		nobody, err, bytes.TrimSpace(out), strings.Join(settings, ", "))
+}
+
+// demoCommand returns `bin demo <args>`, as uid nobody if asNobody, with a
+// minimal environment like a fresh login's.
+func demoCommand(t *testing.T, bin string, asNobody bool, args ...string) *exec.Cmd {
+	cmd := exec.CommandContext(t.Context(), bin, append([]string{"demo"}, args...)...)
+	cmd.Dir = "/"
+	cmd.Env = []string{"PATH=/usr/local/bin:/usr/bin:/bin", "HOME=/", "TMPDIR=/tmp"}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if asNobody {
+		cmd.SysProcAttr.Credential = &syscall.Credential{Uid: nobody, Gid: nobody}
+	}
+	cmd.WaitDelay = 10 * time.Second
+	return cmd
+}
+
+// runDemoJSON runs `meshtun demo --json` and returns its summary.
+func runDemoJSON(t *testing.T, bin string, asNobody bool) demoSummary {
+	t.Helper()
+	cmd := demoCommand(t, bin, asNobody, "--json")
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	start := time.Now()
+	err := startAndWait(t, cmd, asNobody)
+	took := time.Since(start)
+	t.Logf("meshtun demo (mode from summary below) took %v", took.Round(time.Millisecond))
+	if err != nil {
+		t.Fatalf("meshtun demo --json: %v\nstdout:\n%s\nstderr:\n%s", err, stdout.Bytes(), stderr.Bytes())
+	}
+	if took > time.Minute {
+		t.Errorf("meshtun demo took %v, want under a minute", took)
+	}
+	var s demoSummary
+	if err := json.Unmarshal(stdout.Bytes(), &s); err != nil {
+		t.Fatalf("meshtun demo --json: parse summary: %v\n%s", err, stdout.Bytes())
+	}
+	return s
+}
+
+// startAndWait runs cmd. For uid nobody on a machine whose /dev/net/tun
+// is not open to everyone (mode 0600 instead of the 0666 udev gives it on
+// most distributions), it runs cmd in a mount namespace of its own where
+// /dev/net/tun is the same device with mode 0666: the demo itself stays
+// unprivileged.
+func startAndWait(t *testing.T, cmd *exec.Cmd, asNobody bool) error {
+	fi, err := os.Stat("/dev/net/tun")
+	if err != nil {
+		t.Fatalf("this test needs /dev/net/tun: %v", err)
+	}
+	if !asNobody || fi.Mode().Perm()&0o006 == 0o006 {
+		return cmd.Run()
+	}
+	t.Logf("/dev/net/tun has mode %v here; the unprivileged demo gets a 0666 node of it in a private mount namespace", fi.Mode().Perm())
+	rdev := fi.Sys().(*syscall.Stat_t).Rdev
+	done := make(chan error, 1)
+	go func() {
+		// Never unlocked: the thread ends with the goroutine, and its
+		// private mount namespace with it. It lives until cmd has exited,
+		// as cmd's parent-death signal is tied to it.
+		runtime.LockOSThread()
+		if err := privateTun(rdev); err != nil {
+			done <- err
+			return
+		}
+		if err := cmd.Start(); err != nil {
+			done <- err
+			return
+		}
+		done <- cmd.Wait()
+	}()
+	return <-done
+}
+
+// privateTun gives the calling thread a mount namespace in which
+// /dev/net/tun is a fresh node for device rdev with mode 0666.
+func privateTun(rdev uint64) error {
+	if err := unix.Unshare(unix.CLONE_NEWNS); err != nil {
+		return fmt.Errorf("unshare mount namespace: %w", err)
+	}
+	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_SLAVE, ""); err != nil {
+		return fmt.Errorf("make mounts slave: %w", err)
+	}
+	if err := unix.Mount("tmpfs", "/dev/net", "tmpfs", unix.MS_NOSUID|unix.MS_NOEXEC, "mode=0755"); err != nil {
+		return fmt.Errorf("mount tmpfs on /dev/net: %w", err)
+	}
+	if err := unix.Mknod("/dev/net/tun", unix.S_IFCHR|0o666, int(rdev)); err != nil {
+		return fmt.Errorf("mknod /dev/net/tun: %w", err)
+	}
+	return unix.Chmod("/dev/net/tun", 0o666) // past the umask
+}
+
+// checkSummary checks that every flow had its expected outcome and route,
+// that the wire capture agrees with the route (a flow that crossed the
+// node-to-node link showed its payload there exactly when it was not in
+// an mTLS tunnel), and that the flows cover TCP, UDP and ICMP.
+func checkSummary(t *testing.T, s demoSummary, mode string) {
+	t.Helper()
+	if s.Mode != mode {
+		t.Errorf("summary mode %q, want %q", s.Mode, mode)
+	}
+	if !s.OK {
+		t.Errorf("summary: not ok")
+	}
+	if len(s.Nodes) != 2 || len(s.Namespaces) == 0 {
+		t.Errorf("summary: %d nodes, %d namespaces; want 2 nodes", len(s.Nodes), len(s.Namespaces))
+	}
+	protocols := map[string]bool{}
+	for _, f := range s.Flows {
+		protocols[f.Protocol] = true
+		if f.Outcome != f.WantOutcome || f.Route != f.WantRoute {
+			t.Errorf("flow %q: outcome %s (%s) route %s, want outcome %s route %s", f.Name, f.Outcome, f.Error, f.Route, f.WantOutcome, f.WantRoute)
+		}
+		switch {
+		case !f.CrossesWire:
+			if f.PlaintextOnWire != "n/a" {
+				t.Errorf("flow %q does not cross the link, yet plaintext on wire is %q", f.Name, f.PlaintextOnWire)
+			}
+		case f.Outcome == "ok":
+			want := "yes"
+			if f.Route == "hbone" {
+				want = "no"
+			}
+			if f.PlaintextOnWire != want {
+				t.Errorf("flow %q (route %s): plaintext on wire %q, want %q", f.Name, f.Route, f.PlaintextOnWire, want)
+			}
+		}
+	}
+	for _, p := range []string{"tcp", "udp", "icmp"} {
+		if !protocols[p] {
+			t.Errorf("no %s flow in the summary", p)
+		}
+	}
+}
+
+// checkNothingLeft checks that the demo left no namespace, process or
+// file behind.
+func checkNothingLeft(t *testing.T, bin string, s demoSummary) {
+	t.Helper()
+	if s.Cluster == "" {
+		t.Fatal("summary names no cluster")
+	}
+	entries, err := os.ReadDir("/run/netns")
+	if err != nil && !errors.Is(err, fs.ErrNotExist) {
+		t.Fatal(err)
+	}
+	for _, e := range entries {
+		if strings.HasPrefix(e.Name(), s.Cluster) {
+			t.Errorf("namespace /run/netns/%s is left", e.Name())
+		}
+	}
+	if procs := procsOf(bin); len(procs) > 0 {
+		t.Errorf("processes of %s are left: %s", bin, strings.Join(procs, "; "))
+	}
+	if _, err := os.Stat(s.Dir); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("run directory %s is left (stat: %v)", s.Dir, err)
+	}
+	switch s.Mode {
+	case "rootless":
+		if _, err := os.Stat(filepath.Dir(s.Dir)); !errors.Is(err, fs.ErrNotExist) {
+			t.Errorf("temporary directory %s is left (stat: %v)", filepath.Dir(s.Dir), err)
+		}
+	case "root":
+		if _, err := os.Stat("/run/meshtun-demo/kept.json"); !errors.Is(err, fs.ErrNotExist) {
+			t.Errorf("/run/meshtun-demo/kept.json is left (stat: %v)", err)
+		}
+	}
+}
+
+// procsOf lists the running processes whose executable is bin.
+func procsOf(bin string) []string {
+	dirs, _ := filepath.Glob("/proc/[0-9]*")
+	var out []string
+	for _, d := range dirs {
+		exe, err := os.Readlink(filepath.Join(d, "exe"))
+		if err != nil || strings.TrimSuffix(exe, " (deleted)") != bin {
+			continue
+		}
+		cmdline, _ := os.ReadFile(filepath.Join(d, "cmdline"))
+		out = append(out, filepath.Base(d)+" "+strings.Join(strings.Split(strings.TrimRight(string(cmdline), "\x00"), "\x00"), " "))
+	}
+	return out
+}
+
+// interrupt starts the demo, sends SIGINT to it as soon as it has started
+// driving flows (meshtun node running on both nodes), and checks that it
+// exits and leaves nothing behind.
+func interrupt(t *testing.T, bin string, asNobody bool) {
+	cmd := demoCommand(t, bin, asNobody)
+	out := &watchWriter{want: "\nFlows", seen: make(chan struct{})}
+	var stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = out, &stderr
+	exited := make(chan error, 1)
+	go func() { exited <- startAndWait(t, cmd, asNobody) }()
+	select {
+	case <-out.seen:
+	case err := <-exited:
+		t.Fatalf("the demo exited (%v) before it drove flows:\n%s\nstderr:\n%s", err, out.String(), stderr.Bytes())
+	}
+	if err := cmd.Process.Signal(os.Interrupt); err != nil {
+		t.Fatal(err)
+	}
+	err := <-exited
+	t.Logf("output:\n%s\nstderr: %s", out.String(), stderr.Bytes())
+	if err != nil && !strings.Contains(stderr.String(), "interrupted; everything was torn down") {
+		t.Errorf("the demo failed (%v) other than by the interrupt", err)
+	}
+	if !strings.Contains(out.String(), "Tearing down ... done") {
+		t.Errorf("no completed teardown in the output")
+	}
+	// "Cluster <name>: namespaces <name>-*, generated config <dir>/config.json"
+	s := demoSummary{Mode: "root"}
+	if asNobody {
+		s.Mode = "rootless"
+	}
+	for _, line := range strings.Split(out.String(), "\n") {
+		if rest, ok := strings.CutPrefix(line, "Cluster "); ok {
+			s.Cluster, _, _ = strings.Cut(rest, ":")
+			_, cfg, _ := strings.Cut(rest, "generated config ")
+			s.Dir = filepath.Dir(cfg)
+		}
+	}
+	checkNothingLeft(t, bin, s)
+}
+
+// watchWriter collects output and closes seen once it contains want.
+type watchWriter struct {
+	want string
+	seen chan struct{}
+
+	mu   sync.Mutex
+	buf  bytes.Buffer
+	once sync.Once
+}
+
+func (w *watchWriter) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.buf.Write(p)
+	if bytes.Contains(w.buf.Bytes(), []byte(w.want)) {
+		w.once.Do(func() { close(w.seen) })
+	}
+	return len(p), nil
+}
+
+func (w *watchWriter) String() string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.buf.String()
+}
