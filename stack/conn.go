@@ -89,8 +89,9 @@ func (c *Conn) Write(b []byte) (int, error) {
 	return n, c.translate(err)
 }
 
-// Reset aborts the connection: the peer receives a TCP RST instead of a FIN.
-func (c *Conn) Reset() error {
+// Abort closes the connection abortively: the peer receives a TCP RST
+// instead of a FIN.
+func (c *Conn) Abort() error {
 	c.ep.Abort()
 	return c.TCPConn.Close()
 }
@@ -129,6 +130,8 @@ func tcpipError(err tcpip.Error) error {
 		return syscall.EHOSTUNREACH
 	case *tcpip.ErrNetworkUnreachable:
 		return syscall.ENETUNREACH
+	case *tcpip.ErrPortInUse:
+		return syscall.EADDRINUSE
 	}
 	return errors.New(err.String())
 }

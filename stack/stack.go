@@ -156,7 +156,7 @@ func (st *Stack) DialTCP(ctx context.Context, src, dst netip.AddrPort) (*Conn, e
 	}
 	if terr := ep.Bind(fullAddr(src)); terr != nil {
 		ep.Close()
-		return nil, fmt.Errorf("stack: dial %s: bind %s: %s", dst, src, terr)
+		return nil, fmt.Errorf("stack: dial %s: bind %s: %w", dst, src, tcpipError(terr))
 	}
 	local := src
 	if src.Port() == 0 {

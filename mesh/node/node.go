@@ -1,32 +1,42 @@
 // Package node assembles a meshtun node proxy: the TUN device and its
-// routing, the classifier, the netstack and the proxy, started in that
-// order and torn down in reverse.
+// routing, the classifier, the netstack, the workload identities and the
+// proxy, started in that order and torn down in reverse.
 package node
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"net/netip"
 	"time"
 
 	"github.com/rs/zerolog"
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
 
+	"github.com/meshtun/meshtun/mesh/identity"
 	"github.com/meshtun/meshtun/mesh/proxy"
+	"github.com/meshtun/meshtun/mesh/registry"
+	"github.com/meshtun/meshtun/protocols/hbone"
 	"github.com/meshtun/meshtun/stack"
 	"github.com/meshtun/meshtun/stack/classify"
 	"github.com/meshtun/meshtun/tun"
 )
 
-// Config is what a node proxy needs to know about its node.
+// Config is what a node proxy needs to know about its node and the mesh.
 type Config struct {
-	TUN tun.Config
+	// Name is this node's name: workloads whose Node equals it are local.
+	Name string
+	TUN  tun.Config
 	// CaptureLinks are the node-side links of the captured pods.
 	CaptureLinks []string
 	// Uplinks are the node's links towards other nodes.
 	Uplinks []string
-	// Pods are the addresses of the captured pods on this node.
-	Pods []netip.Prefix
+	// Mesh is the initial model of the mesh.
+	Mesh *registry.Snapshot
+	// CA is the built-in certificate authority that issues the local
+	// workloads' SVIDs. Its TrustDomain must be Mesh's.
+	CA identity.CAConfig
 	// NoIntercept leaves every packet verbatim: the TUN is in the path but
 	// no flow is proxied. For measuring the TUN path alone.
 	NoIntercept bool
@@ -39,13 +49,62 @@ type Config struct {
 // ReadyMessage is the log message Run writes once traffic is captured.
 const ReadyMessage = "node ready"
 
+// localWorkloads returns the mesh workloads of node name.
+func localWorkloads(s *registry.Snapshot, name string) []*registry.Workload {
+	var out []*registry.Workload
+	for _, w := range s.Workloads {
+		if w.InMesh && w.Node == name {
+			out = append(out, w)
+		}
+	}
+	return out
+}
+
 // Run runs the node proxy until ctx is done, then removes everything it
 // installed. It returns ctx's error after a clean shutdown.
 func Run(ctx context.Context, cfg Config) (err error) {
 	log := cfg.Logger
-	if len(cfg.Pods) == 0 {
-		return errors.New("node: no captured pod addresses")
+	if cfg.Mesh == nil {
+		return errors.New("node: no mesh model")
 	}
+	locals := localWorkloads(cfg.Mesh, cfg.Name)
+	if len(locals) == 0 {
+		return fmt.Errorf("node %q: no mesh workloads on this node", cfg.Name)
+	}
+	reg := registry.New(cfg.Mesh)
+
+	// Identities first: nothing is captured before the local workloads
+	// have their certificates.
+	cfg.CA.TrustDomain = cfg.Mesh.TrustDomain
+	cfg.CA.Logger = log
+	ca, err := identity.OpenCA(cfg.CA)
+	if err != nil {
+		return err
+	}
+	svids, err := identity.NewSource(identity.SourceConfig{
+		Issuer: ca, Bundle: ca.Bundle(), TrustDomain: cfg.Mesh.TrustDomain, Logger: log,
+	})
+	if err != nil {
+		return err
+	}
+	defer svids.Close()
+	for _, w := range locals {
+		if err := svids.Add(ctx, w.Identity); err != nil {
+			return fmt.Errorf("node: certificate for %s: %w", w, err)
+		}
+	}
+
+	hc, err := hbone.NewClient(hbone.ClientConfig{
+		TLS: func(src, dst spiffeid.ID) (*tls.Config, error) {
+			return identity.ClientTLS(svids.Workload(src), dst), nil
+		},
+		Logger: log,
+	})
+	if err != nil {
+		return err
+	}
+	defer hc.Close()
+
 	dev, err := tun.Open(cfg.TUN)
 	if err != nil {
 		return err
@@ -79,17 +138,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 		}
 	}()
 
-	pods := append([]netip.Prefix(nil), cfg.Pods...)
-	// The capture policy: TCP connections opened by a captured pod.
-	var policy classify.Policy = classify.PolicyFunc(func(src, _ netip.AddrPort) bool {
-		a := src.Addr()
-		for _, p := range pods {
-			if p.Contains(a) {
-				return true
-			}
-		}
-		return false
-	})
+	var policy classify.Policy = capturePolicy(reg, cfg.Name)
 	if cfg.NoIntercept {
 		policy = nil
 	}
@@ -98,7 +147,25 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	defer stopSweep()
 	go cls.Run(sweepCtx, 5*time.Second)
 
-	px := proxy.New(ctx, proxy.Config{Logger: log})
+	px, err := proxy.New(ctx, proxy.Config{Node: cfg.Name, Registry: reg, HBONE: hc, Logger: log})
+	if err != nil {
+		return err
+	}
+	hs, err := hbone.NewServer(hbone.ServerConfig{
+		TLS: identity.ServerTLS(svids, cfg.Mesh.TrustDomain, func(local netip.Addr) (spiffeid.ID, bool) {
+			w := reg.Load().Workload(local)
+			if w == nil || !w.InMesh || w.Node != cfg.Name {
+				return spiffeid.ID{}, false
+			}
+			return w.Identity, true
+		}),
+		Handler: px.InboundHandler(),
+		Logger:  log,
+	})
+	if err != nil {
+		return err
+	}
+	px.SetServer(hs)
 	st, err = stack.New(stack.Config{
 		Device:     dev,
 		Classifier: cls,
@@ -108,10 +175,18 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	if err != nil {
 		return err
 	}
+	px.SetDialer(st)
+
+	var pods []netip.Prefix
+	for _, w := range locals {
+		for _, a := range w.Addresses {
+			pods = append(pods, netip.PrefixFrom(a, a.BitLen()))
+		}
+	}
 	routes, err = tun.InstallRouting(dev, tun.RoutingConfig{
 		CaptureLinks: cfg.CaptureLinks,
 		Uplinks:      cfg.Uplinks,
-		PodPrefixes:  cfg.Pods,
+		PodPrefixes:  pods,
 	})
 	if err != nil {
 		return err
@@ -125,10 +200,29 @@ func Run(ctx context.Context, cfg Config) (err error) {
 		defer stopAdmin()
 	}
 
-	log.Info().Str("tun", dev.Name()).Int("mtu", dev.MTU()).
+	log.Info().Str("node", cfg.Name).Str("tun", dev.Name()).Int("mtu", dev.MTU()).
 		Strs("capture_links", cfg.CaptureLinks).Strs("uplinks", cfg.Uplinks).
-		Str("pods", fmt.Sprint(cfg.Pods)).Msg(ReadyMessage)
+		Int("workloads", len(locals)).Str("trust_domain", cfg.Mesh.TrustDomain.String()).
+		Msg(ReadyMessage)
 	<-ctx.Done()
 	log.Info().Msg("shutting down")
 	return ctx.Err()
+}
+
+// capturePolicy selects the SYNs the netstack takes: connections opened by
+// a local mesh workload (outbound), HBONE to a local mesh workload
+// (inbound), and any connection to a local STRICT workload (to be refused
+// unless it is HBONE). Everything else stays verbatim; PERMISSIVE
+// workloads receive plaintext directly.
+func capturePolicy(reg *registry.Registry, node string) classify.Policy {
+	return classify.PolicyFunc(func(src, dst netip.AddrPort) bool {
+		s := reg.Load()
+		if w := s.Workload(src.Addr()); w != nil && w.InMesh && w.Node == node {
+			return true
+		}
+		if w := s.Workload(dst.Addr()); w != nil && w.InMesh && w.Node == node {
+			return dst.Port() == hbone.Port || w.PeerAuth == registry.Strict
+		}
+		return false
+	})
 }

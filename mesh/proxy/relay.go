@@ -13,10 +13,11 @@ const relayBufSize = 64 << 10
 
 var relayBufs = sync.Pool{New: func() any { b := make([]byte, relayBufSize); return &b }}
 
-// Resetter is a connection that can be closed abortively, so that its peer
-// sees a TCP RST rather than a FIN.
-type Resetter interface {
-	Reset() error
+// Aborter is a connection that can be closed abortively, so that its peer
+// sees a reset (a TCP RST, an HTTP/2 RST_STREAM) rather than an orderly end.
+// *stack.Conn and *hbone.Conn are Aborters.
+type Aborter interface {
+	Abort() error
 }
 
 // halfCloser is a connection that can end its write side alone.
@@ -93,8 +94,8 @@ func copyHalf(dst, src net.Conn, abort func()) int64 {
 // reset closes c abortively.
 func reset(c net.Conn) {
 	switch c := c.(type) {
-	case Resetter:
-		c.Reset()
+	case Aborter:
+		c.Abort()
 	case *net.TCPConn:
 		c.SetLinger(0)
 		c.Close()

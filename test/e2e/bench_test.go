@@ -44,12 +44,12 @@ func BenchmarkThroughput(b *testing.B) {
 		b.Run(name+"/download", func(b *testing.B) { download(b, src.NS, dst.IPv4, 7101) })
 	}
 	run("direct")
-	m1, m2 := startNode(b, n1, "--no-intercept", "--log-level", "info"), startNode(b, n2, "--no-intercept", "--log-level", "info")
+	m1, m2 := startNode(b, c, n1, "--no-intercept", "--log-level", "info"), startNode(b, c, n2, "--no-intercept", "--log-level", "info")
 	run("verbatim")
 	m1.stop(syscall.SIGTERM)
 	m2.stop(syscall.SIGTERM)
-	startNode(b, n1, "--log-level", "info")
-	startNode(b, n2, "--log-level", "info")
+	startNode(b, c, n1, "--log-level", "info")
+	startNode(b, c, n2, "--log-level", "info")
 	run("passthrough")
 }
 

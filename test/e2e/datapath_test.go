@@ -4,11 +4,13 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/netip"
 	"slices"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -16,6 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/meshtun/meshtun/test/cluster"
+	"github.com/meshtun/meshtun/test/noderun"
 )
 
 const bulk = 64 << 20 // bytes each way in the byte-exact transfers
@@ -32,67 +35,138 @@ func dial(t testing.TB, ns *cluster.NS, addr netip.Addr, port int) net.Conn {
 	return c
 }
 
-// TestDataPath runs meshtun on both nodes of a two-node cluster, every pod
-// captured, and checks each kind of traffic end to end; then that stopping
-// meshtun (also after a SIGKILL and restart) leaves routing as it was.
+// meshCluster is the cluster most end-to-end tests share: two nodes of
+// three pods and the external host, meshtun on both nodes.
+//
+//	node 1: n1p1 mesh client, n1p2 mesh (same-node target), n1p3 outside the mesh
+//	node 2: n2p1 mesh server, n2p2 outside the mesh, n2p3 mesh STRICT
+type meshCluster struct {
+	c                  *cluster.Cluster
+	n1, n2             *cluster.Node
+	p11, p12, p13      *cluster.Pod
+	p21, p22, p23      *cluster.Pod
+	ext                *cluster.Host
+	m1, m2             nodeProc
+	outside, strictSet map[string]bool
+}
+
+func newMeshCluster(t *testing.T, name string) *meshCluster {
+	c := cluster.NewT(t, cluster.Spec{Name: name, Nodes: 2, PodsPerNode: 3})
+	mc := &meshCluster{
+		c: c, n1: c.Nodes[0], n2: c.Nodes[1],
+		p11: c.Nodes[0].Pods[0], p12: c.Nodes[0].Pods[1], p13: c.Nodes[0].Pods[2],
+		p21: c.Nodes[1].Pods[0], p22: c.Nodes[1].Pods[1], p23: c.Nodes[1].Pods[2],
+		ext:       c.External,
+		outside:   map[string]bool{"n1p3": true, "n2p2": true},
+		strictSet: map[string]bool{"n2p3": true},
+	}
+	return mc
+}
+
+func (mc *meshCluster) start(t testing.TB, n *cluster.Node, extra ...string) nodeProc {
+	return startMeshNode(t, mc.c, n, mc.outside, mc.strictSet, extra...)
+}
+
+// accessLog waits for node m's access-log line (message) of the connection
+// whose client address is src.
+func accessLog(t testing.TB, m nodeProc, src netip.AddrPort, message string) noderun.Line {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	l, err := m.WaitLog(ctx, func(l noderun.Line) bool {
+		return l.Str("message") == message && l.Str("src.addr") == src.String()
+	})
+	if err != nil {
+		t.Fatalf("no %q access log for %s on %s: %v", message, src, m.Node.Name(), err)
+	}
+	return l
+}
+
+func localAddr(c net.Conn) netip.AddrPort {
+	a := c.LocalAddr().(*net.TCPAddr).AddrPort()
+	return netip.AddrPortFrom(a.Addr().Unmap(), a.Port())
+}
+
+func wantFields(t testing.TB, l noderun.Line, kv ...string) {
+	t.Helper()
+	for i := 0; i+1 < len(kv); i += 2 {
+		if got := l.Str(kv[i]); got != kv[i+1] {
+			t.Errorf("access log %s = %q, want %q (line %v)", kv[i], got, kv[i+1], l)
+		}
+	}
+}
+
+func id(pod string) string { return "spiffe://cluster.local/ns/default/sa/" + pod }
+
+// TestDataPath runs meshtun on both nodes, every pod captured, and checks
+// each kind of traffic end to end; then that stopping meshtun (also after
+// a SIGKILL and restart) leaves routing as it was.
 func TestDataPath(t *testing.T) {
-	c := cluster.NewT(t, cluster.Spec{Name: "dp", Nodes: 2, PodsPerNode: 2})
-	n1, n2 := c.Nodes[0], c.Nodes[1]
-	p11, p12, p21 := n1.Pods[0], n1.Pods[1], n2.Pods[0]
-	ext := c.External
+	mc := newMeshCluster(t, "dp")
+	n1, n2 := mc.n1, mc.n2
+	p11, p12, p21, p22, p23, ext := mc.p11, mc.p12, mc.p21, mc.p22, mc.p23, mc.ext
 
 	before := map[*cluster.Node]routing{}
-	for _, n := range c.Nodes {
+	for _, n := range mc.c.Nodes {
 		before[n] = snapshot(t, n)
 	}
+	mc.m1 = mc.start(t, n1)
+	mc.m2 = mc.start(t, n2)
+	m1, m2 := mc.m1, mc.m2
 
-	m1 := startNode(t, n1)
-	m2 := startNode(t, n2)
-	_ = m2
-
-	// intercepted asserts that a connection went through the proxy: the
-	// server saw a peer other than the client's own socket address.
-	intercepted := func(t *testing.T, s *server, client net.Conn, wantPeer netip.Addr) {
+	// mesh asserts that the connection from client travelled in an HBONE
+	// tunnel from node 1 to node 2 and that the server saw the client's
+	// own address: the application sees the real client.
+	mesh := func(t *testing.T, s *server, client net.Conn, srcPod, dstPod string) {
 		t.Helper()
-		peer := s.peer(t)
-		local := client.LocalAddr().(*net.TCPAddr).AddrPort()
-		if peer == local {
-			t.Fatalf("server saw %s, the client's own address: the connection was not intercepted", peer)
+		if peer, local := s.peer(t), localAddr(client); peer != local {
+			t.Errorf("server saw %s, want the client's own address %s", peer, local)
 		}
-		if peer.Addr() != wantPeer {
+		client.Close()
+		out := accessLog(t, m1, localAddr(client), "connection complete")
+		wantFields(t, out, "route", "hbone", "direction", "outbound", "src.identity", id(srcPod), "dst.identity", id(dstPod))
+		in := accessLog(t, m2, localAddr(client), "connection complete")
+		wantFields(t, in, "route", "hbone", "direction", "inbound", "src.identity", id(srcPod))
+	}
+	// passthrough asserts that a connection went through node 1's proxy
+	// to a destination outside the mesh: the server saw node 1's address.
+	passthrough := func(t *testing.T, s *server, client net.Conn, wantPeer netip.Addr) {
+		t.Helper()
+		if peer := s.peer(t); peer.Addr() != wantPeer {
 			t.Fatalf("server saw peer %s, want a connection from %s (the proxy's kernel socket)", peer, wantPeer)
 		}
 	}
 
-	t.Run("TCP cross-node 64MiB both ways", func(t *testing.T) {
+	t.Run("mesh TCP cross-node 64MiB both ways", func(t *testing.T) {
 		s := serve(t, p21, 7001, exchangeServer(bulk))
 		cl := dial(t, p11.NS, p21.IPv4, 7001)
-		intercepted(t, s, cl, n1.IPv4)
 		exchange(t, cl, bulk)
+		mesh(t, s, cl, "n1p1", "n2p1")
 	})
-	t.Run("TCP same-node 64MiB both ways", func(t *testing.T) {
+	t.Run("mesh TCP same-node 64MiB both ways", func(t *testing.T) {
 		s := serve(t, p12, 7002, exchangeServer(bulk))
 		cl := dial(t, p11.NS, p12.IPv4, 7002)
-		peer := s.peer(t)
-		if peer == cl.LocalAddr().(*net.TCPAddr).AddrPort() {
-			t.Fatalf("server saw the client's own address %s: not intercepted", peer)
-		}
 		exchange(t, cl, bulk)
+		if peer := s.peer(t); peer.Addr() != p11.IPv4 {
+			t.Errorf("server saw %s, want the client's address %s", peer, p11.IPv4)
+		}
+		cl.Close()
+		l := accessLog(t, m1, localAddr(cl), "connection complete")
+		wantFields(t, l, "route", "local", "src.identity", id("n1p1"), "dst.identity", id("n1p2"))
 	})
-	t.Run("IPv6 TCP cross-node", func(t *testing.T) {
+	t.Run("mesh IPv6 TCP cross-node", func(t *testing.T) {
 		s := serve(t, p21, 7003, exchangeServer(8<<20))
 		cl := dial(t, p11.NS, p21.IPv6, 7003)
-		intercepted(t, s, cl, n1.IPv6)
 		exchange(t, cl, 8<<20)
+		mesh(t, s, cl, "n1p1", "n2p1")
 	})
-	t.Run("server-first protocol", func(t *testing.T) {
+	t.Run("server-first protocol through the tunnel", func(t *testing.T) {
 		banner := []byte("220 meshtun-e2e ESMTP ready\r\n")
 		s := serve(t, p21, 7004, func(c net.Conn) {
 			c.Write(banner)
 			io.Copy(c, c) // then echo
 		})
 		cl := dial(t, p11.NS, p21.IPv4, 7004)
-		intercepted(t, s, cl, n1.IPv4)
 		cl.SetReadDeadline(time.Now().Add(10 * time.Second))
 		got := make([]byte, len(banner))
 		if _, err := io.ReadFull(cl, got); err != nil {
@@ -101,8 +175,29 @@ func TestDataPath(t *testing.T) {
 		if !bytes.Equal(got, banner) {
 			t.Fatalf("banner %q, want %q", got, banner)
 		}
+		mesh(t, s, cl, "n1p1", "n2p1")
 	})
-	t.Run("half-close", func(t *testing.T) {
+	t.Run("bytes that are not valid HTTP pass untouched", func(t *testing.T) {
+		s := serve(t, p21, 7011, func(c net.Conn) { io.Copy(c, c) })
+		cl := dial(t, p11.NS, p21.IPv4, 7011)
+		for _, msg := range [][]byte{
+			[]byte("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"),
+			[]byte("GET / HTTP/1.1\r\nHost: \x00\xff\r\n\r\n"),
+			[]byte("CONNECT 198.18.2.11:15008 HTTP/1.1\r\n\r\n"),
+			{0x16, 0x03, 0x01, 0x02, 0x00, 0x01}, // a TLS record header
+		} {
+			cl.SetDeadline(time.Now().Add(10 * time.Second))
+			if _, err := cl.Write(msg); err != nil {
+				t.Fatal(err)
+			}
+			got := make([]byte, len(msg))
+			if _, err := io.ReadFull(cl, got); err != nil || !bytes.Equal(got, msg) {
+				t.Fatalf("echo of %q: %q, %v", msg, got, err)
+			}
+		}
+		mesh(t, s, cl, "n1p1", "n2p1")
+	})
+	t.Run("half-close through the tunnel", func(t *testing.T) {
 		// The server answers only after the client's FIN, and the
 		// client's read side must stay open until then.
 		s := serve(t, p21, 7005, func(c net.Conn) {
@@ -113,7 +208,6 @@ func TestDataPath(t *testing.T) {
 			c.Write(append([]byte("got: "), req...))
 		})
 		cl := dial(t, p11.NS, p21.IPv4, 7005)
-		intercepted(t, s, cl, n1.IPv4)
 		cl.Write([]byte("question"))
 		if err := cl.(*net.TCPConn).CloseWrite(); err != nil {
 			t.Fatal(err)
@@ -126,6 +220,7 @@ func TestDataPath(t *testing.T) {
 		if string(got) != "got: question" {
 			t.Fatalf("reply %q, want %q", got, "got: question")
 		}
+		mesh(t, s, cl, "n1p1", "n2p1")
 	})
 	t.Run("reset from server becomes reset at client", func(t *testing.T) {
 		s := serve(t, p21, 7006, func(c net.Conn) {
@@ -135,13 +230,13 @@ func TestDataPath(t *testing.T) {
 			c.Close() // RST
 		})
 		cl := dial(t, p11.NS, p21.IPv4, 7006)
-		intercepted(t, s, cl, n1.IPv4)
 		cl.Write([]byte("hello"))
 		cl.SetReadDeadline(time.Now().Add(10 * time.Second))
 		_, err := cl.Read(make([]byte, 10))
 		if !isReset(err) {
 			t.Fatalf("client read after server reset: %v, want connection reset (not EOF)", err)
 		}
+		mesh(t, s, cl, "n1p1", "n2p1")
 	})
 	t.Run("reset from client becomes reset at server", func(t *testing.T) {
 		got := make(chan error, 1)
@@ -151,15 +246,15 @@ func TestDataPath(t *testing.T) {
 			got <- err
 		})
 		cl := dial(t, p11.NS, p21.IPv4, 7007)
-		intercepted(t, s, cl, n1.IPv4)
 		cl.Write([]byte("x"))
+		s.peer(t)
 		cl.(*net.TCPConn).SetLinger(0)
 		cl.Close()
 		if err := <-got; !isReset(err) {
 			t.Fatalf("server read after client reset: %v, want connection reset (not EOF)", err)
 		}
 	})
-	t.Run("refused port is a reset", func(t *testing.T) {
+	t.Run("refused port through the tunnel is a reset", func(t *testing.T) {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
 		_, err := p11.Dial(ctx, "tcp", netip.AddrPortFrom(p21.IPv4, 7999).String())
@@ -167,16 +262,88 @@ func TestDataPath(t *testing.T) {
 			t.Fatalf("dial a closed port: %v, want connection refused", err)
 		}
 	})
+	t.Run("1000 concurrent tunnelled connections", func(t *testing.T) {
+		serve(t, p21, 7012, func(c net.Conn) { io.Copy(c, c) })
+		const n = 1000
+		conns := make([]net.Conn, n)
+		for i := range conns {
+			conns[i] = dial(t, p11.NS, p21.IPv4, 7012)
+		}
+		var wg sync.WaitGroup
+		errs := make(chan error, n)
+		for i, c := range conns {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				msg := []byte(fmt.Sprintf("connection %d of %d", i, n))
+				c.SetDeadline(time.Now().Add(30 * time.Second))
+				if _, err := c.Write(msg); err != nil {
+					errs <- err
+					return
+				}
+				got := make([]byte, len(msg))
+				if _, err := io.ReadFull(c, got); err != nil || !bytes.Equal(got, msg) {
+					errs <- fmt.Errorf("connection %d: echo %q, %v", i, got, err)
+				}
+			}()
+		}
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			t.Error(err)
+		}
+		conns[n-1].Close()
+		l := accessLog(t, m1, localAddr(conns[n-1]), "connection complete")
+		wantFields(t, l, "route", "hbone")
+	})
+	t.Run("passthrough to a pod outside the mesh", func(t *testing.T) {
+		s := serve(t, p22, 7013, exchangeServer(4<<20))
+		cl := dial(t, p11.NS, p22.IPv4, 7013)
+		exchange(t, cl, 4<<20)
+		passthrough(t, s, cl, n1.IPv4)
+		cl.Close()
+		wantFields(t, accessLog(t, m1, localAddr(cl), "connection complete"), "route", "passthrough")
+	})
 	t.Run("pod to external host", func(t *testing.T) {
 		s := serve(t, ext, 7008, exchangeServer(4<<20))
 		cl := dial(t, p11.NS, ext.IPv4, 7008)
-		intercepted(t, s, cl, n1.IPv4)
 		exchange(t, cl, 4<<20)
+		passthrough(t, s, cl, n1.IPv4)
+	})
+	t.Run("plaintext from outside the mesh to a PERMISSIVE workload", func(t *testing.T) {
+		s := serve(t, p21, 7014, func(c net.Conn) { io.Copy(c, c) })
+		cl := dial(t, p22.NS, p21.IPv4, 7014)
+		echo(t, cl)
+		if peer, local := s.peer(t), localAddr(cl); peer != local {
+			t.Fatalf("server saw %s, want the client's own %s (delivered directly)", peer, local)
+		}
+	})
+	t.Run("plaintext to a STRICT workload is refused", func(t *testing.T) {
+		s := serve(t, p23, 7015, func(c net.Conn) { io.Copy(c, c) })
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		c, err := p22.Dial(ctx, "tcp", netip.AddrPortFrom(p23.IPv4, 7015).String())
+		if err == nil {
+			c.Close()
+			t.Fatalf("plaintext connection to the STRICT workload succeeded")
+		}
+		if !errors.Is(err, syscall.ECONNREFUSED) {
+			t.Fatalf("dial: %v, want connection refused", err)
+		}
+		select {
+		case p := <-s.peers:
+			t.Fatalf("the STRICT workload received a connection from %s", p)
+		default:
+		}
+		// From a mesh workload, through HBONE, it is reachable.
+		cl := dial(t, p11.NS, p23.IPv4, 7015)
+		echo(t, cl)
+		mesh(t, s, cl, "n1p1", "n2p3")
 	})
 	t.Run("probe from node to pod is not intercepted", func(t *testing.T) {
 		s := serve(t, p11, 7009, func(c net.Conn) { io.Copy(c, c) })
 		cl := dial(t, n1.NS, p11.IPv4, 7009)
-		if peer, local := s.peer(t), cl.LocalAddr().(*net.TCPAddr).AddrPort(); peer != local {
+		if peer, local := s.peer(t), localAddr(cl); peer != local {
 			t.Fatalf("pod saw %s, the node's socket is %s: the probe was proxied", peer, local)
 		}
 		echo(t, cl)
@@ -202,21 +369,21 @@ func TestDataPath(t *testing.T) {
 			t.Errorf("meshtun exit after SIGTERM: %v\n%s", err, m.dump())
 		}
 	}
-	for _, n := range c.Nodes {
+	for _, n := range mc.c.Nodes {
 		assertSnapshot(t, n, before[n], "after SIGTERM")
 	}
 
 	t.Run("restart after SIGKILL cleans up and serves", func(t *testing.T) {
-		k := startNode(t, n1)
+		k := mc.start(t, n1)
 		k.stop(syscall.SIGKILL)
 		if s := snapshot(t, n1); s.Equal(before[n1]) {
 			t.Fatalf("after SIGKILL the rules are gone already; the test cannot tell whether the restart cleans up")
 		}
-		r := startNode(t, n1)
-		s := serve(t, p21, 7010, exchangeServer(1<<20))
-		cl := dial(t, p11.NS, p21.IPv4, 7010)
-		intercepted(t, s, cl, n1.IPv4)
+		r := mc.start(t, n1)
+		s := serve(t, ext, 7010, exchangeServer(1<<20))
+		cl := dial(t, p11.NS, ext.IPv4, 7010)
 		exchange(t, cl, 1<<20)
+		passthrough(t, s, cl, n1.IPv4)
 		if err := r.stop(syscall.SIGTERM); err != nil {
 			t.Fatalf("meshtun exit: %v", err)
 		}

@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -44,14 +45,38 @@ func (p nodeProc) dump() string                  { return p.Logs() }
 // startNode starts meshtun in n's namespace, capturing every pod, and waits
 // until it reports ready. It is stopped at the end of the test if still
 // running.
-func startNode(t testing.TB, n *cluster.Node, extra ...string) nodeProc {
+func startNode(t testing.TB, c *cluster.Cluster, n *cluster.Node, extra ...string) nodeProc {
+	return startMeshNode(t, c, n, nil, nil, extra...)
+}
+
+// startMeshNode is startNode with the pods in outside left out of the mesh
+// and those in strict in STRICT mode.
+func startMeshNode(t testing.TB, c *cluster.Cluster, n *cluster.Node, outside, strict map[string]bool, extra ...string) nodeProc {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	p, err := noderun.Start(ctx, meshtunBin, n, append([]string{"--log-level", "debug"}, extra...)...)
+	args := append(noderun.MeshArgs(c, caDir(t, c), outside, strict), "--log-level", "debug")
+	p, err := noderun.Start(ctx, meshtunBin, n, append(args, extra...)...)
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { p.Stop(syscall.SIGTERM) })
+	t.Cleanup(func() {
+		p.Stop(syscall.SIGTERM)
+		if t.Failed() {
+			t.Logf("meshtun log of %s:\n%s", n.Name(), p.Logs())
+		}
+	})
 	return nodeProc{p}
+}
+
+var caDirs sync.Map // *cluster.Cluster → string
+
+// caDir returns the CA directory shared by the nodes of c.
+func caDir(t testing.TB, c *cluster.Cluster) string {
+	if d, ok := caDirs.Load(c); ok {
+		return d.(string)
+	}
+	d := t.TempDir()
+	caDirs.Store(c, d)
+	return d
 }

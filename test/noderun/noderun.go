@@ -40,11 +40,36 @@ type Process struct {
 	changed chan struct{} // closed and replaced on every new line
 }
 
-// Args returns the flags that capture every pod of n.
+// NodeName is the mesh name of cluster node n: "n<index>".
+func NodeName(n *cluster.Node) string { return fmt.Sprintf("n%d", n.Index) }
+
+// Args returns the flags that name node n and capture every pod of it.
 func Args(n *cluster.Node) []string {
-	args := []string{"--uplink", n.Uplink}
+	args := []string{"--node", NodeName(n), "--uplink", n.Uplink}
 	for _, p := range n.Pods {
-		args = append(args, "--capture-link", p.HostLink, "--pod", p.IPv4.String(), "--pod", p.IPv6.String())
+		args = append(args, "--capture-link", p.HostLink)
+	}
+	return args
+}
+
+// MeshArgs returns the flags that describe the mesh of cluster c to a node:
+// every pod is a mesh workload in namespace "default" named, and with a
+// service account named, after its ID (n1p1, …), except the pods in
+// outside; pods in strict have STRICT peer authentication. caDir is the
+// built-in CA's directory, shared by all nodes.
+func MeshArgs(c *cluster.Cluster, caDir string, outside, strict map[string]bool) []string {
+	args := []string{"--ca-dir", caDir}
+	for _, n := range c.Nodes {
+		for _, p := range n.Pods {
+			if outside[p.ID] {
+				continue
+			}
+			w := fmt.Sprintf("%s/default/%s=%s+%s", NodeName(n), p.ID, p.IPv4, p.IPv6)
+			if strict[p.ID] {
+				w += ";strict"
+			}
+			args = append(args, "--workload", w)
+		}
 	}
 	return args
 }
