@@ -259,6 +259,7 @@ func Parse(name string, data []byte) (*Config, error) {
 		root = root.Content[0]
 	}
 	d := newDecoder(file)
+	d.budget = 4*countNodes(root) + 1000
 	c := &Config{Path: name}
 	d.decode(root, reflect.ValueOf(c).Elem(), "", "")
 	if len(d.errs) == 0 {

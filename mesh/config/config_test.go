@@ -3,6 +3,7 @@ package config
 import (
 	"errors"
 	"net/netip"
+	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -406,5 +407,45 @@ func TestLoadMissingFile(t *testing.T) {
 	_, err := Load(filepath.Join(t.TempDir(), "nope.yaml"))
 	if err == nil || !strings.Contains(err.Error(), "nope.yaml: no such file or directory") {
 		t.Errorf("Load: %v", err)
+	}
+}
+
+// FuzzParse: no input makes Parse panic, and an accepted config always
+// builds a snapshot.
+func FuzzParse(f *testing.F) {
+	for _, p := range []string{"../../deploy/examples/mesh.yaml", "../../deploy/examples/minimal.yaml"} {
+		data, err := os.ReadFile(p)
+		if err != nil {
+			f.Fatal(err)
+		}
+		f.Add(data)
+	}
+	f.Add([]byte("nodes: [{name: n1}]\nworkloads: [{name: a, node: n1, addresses: [198.18.1.11], labels: &l {app: a}}]\nservices: [{name: s, vips: [198.18.100.1], ports: [{port: 80}], selector: *l}]\n"))
+	f.Add([]byte("authorizationPolicies: [{name: p, rules: [{from: [{source: }], to: [{operation: }]}]}]\n"))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		c, err := Parse("f.yaml", data)
+		if err != nil {
+			return
+		}
+		if _, err := c.Snapshot(); err != nil {
+			t.Fatalf("accepted config does not build: %v", err)
+		}
+	})
+}
+
+func TestAliasBomb(t *testing.T) {
+	// Each level lists the previous one 20 times: 20^5 sources.
+	const bomb = `
+x: &p [a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a]
+y: &s {principals: *p}
+z: &f [*s, *s, *s, *s, *s, *s, *s, *s, *s, *s, *s, *s, *s, *s, *s, *s, *s, *s, *s, *s]
+w: &r {from: *f}
+v: &rs [*r, *r, *r, *r, *r, *r, *r, *r, *r, *r, *r, *r, *r, *r, *r, *r, *r, *r, *r, *r]
+u: &ap {name: p, rules: *rs}
+authorizationPolicies: [*ap, *ap, *ap, *ap, *ap, *ap, *ap, *ap, *ap, *ap, *ap, *ap, *ap, *ap, *ap, *ap, *ap, *ap, *ap, *ap]
+`
+	_, err := Parse("bomb.yaml", []byte(bomb))
+	if err == nil || !strings.Contains(err.Error(), "aliases expand the file too much") {
+		t.Errorf("Parse: %v", err)
 	}
 }

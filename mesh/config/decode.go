@@ -23,6 +23,19 @@ type decoder struct {
 	pos   map[string]pos
 	errs  []*Error
 	warns []*Error
+	// budget is how many more values decode may visit: aliases are
+	// expanded, and a few nested aliases ("billion laughs") would
+	// otherwise make a small file expand without end.
+	budget int
+}
+
+// countNodes counts the nodes of a tree without following aliases.
+func countNodes(n *yaml.Node) int {
+	c := 1
+	for _, k := range n.Content {
+		c += countNodes(k)
+	}
+	return c
 }
 
 type pos struct{ line, col int }
@@ -118,6 +131,12 @@ var l7Fields = map[string]bool{
 func (d *decoder) decode(n *yaml.Node, v reflect.Value, path, opt string) {
 	if n.Kind == yaml.AliasNode {
 		n = n.Alias
+	}
+	if d.budget--; d.budget < 0 {
+		if d.budget == -1 {
+			d.errorAt(n, path, "aliases expand the file too much")
+		}
+		return
 	}
 	d.pos[path] = pos{n.Line, n.Column}
 	if n.Kind == yaml.ScalarNode && n.Tag == "!!null" {

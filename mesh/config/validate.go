@@ -333,9 +333,7 @@ func (c *Config) validateServices(d *decoder, wls wlIndex) {
 			pp := fmt.Sprintf("%s.ports[%d]", p, j)
 			port := &s.Ports[j]
 			if port.Port == 0 {
-				if !d.has(pp + ".port") {
-					d.errorf(pp+".port", "is required")
-				}
+				d.errorf(pp+".port", "is required")
 				continue
 			}
 			for k := range j {
