@@ -47,11 +47,35 @@ func (r Result) resultWord() string {
 	return "UNEXPECTED: " + strings.Join(why, "; ")
 }
 
+// identities is the IDENTITIES column: source and destination identity
+// without their "spiffe://<trust domain>/" (WriteTable names the trust
+// domain once), "-" for none.
 func (r Result) identities() string {
 	if r.SrcIdentity == "" && r.DstIdentity == "" {
 		return "-"
 	}
-	return r.SrcIdentity + " → " + r.DstIdentity
+	return shortID(r.SrcIdentity) + " → " + shortID(r.DstIdentity)
+}
+
+func shortID(id string) string {
+	td, path, ok := splitID(id)
+	switch {
+	case id == "":
+		return "-"
+	case !ok || td == "":
+		return id
+	}
+	return path
+}
+
+// splitID splits "spiffe://<trust domain>/<path>".
+func splitID(id string) (td, path string, ok bool) {
+	rest, ok := strings.CutPrefix(id, "spiffe://")
+	if !ok {
+		return "", "", false
+	}
+	td, path, _ = strings.Cut(rest, "/")
+	return td, path, true
 }
 
 func (r Result) bytes() string { return fmt.Sprintf("%d/%d", r.BytesSent, r.BytesRecv) }
@@ -91,6 +115,21 @@ func WriteTable(w io.Writer, results []Result) {
 			r.Route, r.identities(), r.bytes(), r.latency(), r.PlaintextOnWire, r.resultWord())
 	}
 	tw.Flush()
+
+	domains := map[string]bool{}
+	for _, r := range results {
+		for _, id := range []string{r.SrcIdentity, r.DstIdentity} {
+			if td, _, ok := splitID(id); ok && td != "" {
+				domains[td] = true
+			}
+		}
+	}
+	for td := range domains {
+		fmt.Fprintf(w, "\nIdentities are SPIFFE IDs: spiffe://%s/<as shown>.", td)
+	}
+	if len(domains) > 0 {
+		fmt.Fprintln(w)
+	}
 
 	var crossed, plain, hidden int
 	for _, r := range results {

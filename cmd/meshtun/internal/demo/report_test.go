@@ -62,6 +62,7 @@ func TestApplyLog(t *testing.T) {
 func TestWriteTable(t *testing.T) {
 	rs := []Result{
 		{Flow: Flow{Name: "a", From: "client", To: "echo", Kind: TCPEcho}, Protocol: "tcp", Route: RouteHBONE,
+			SrcIdentity: "spiffe://td.example/ns/default/sa/client", DstIdentity: "spiffe://td.example/ns/default/sa/echo",
 			Outcome: OutcomeOK, CrossesWire: true, PlaintextOnWire: "no", OK: true},
 		{Flow: Flow{Name: "b", From: "client", To: "dns", Kind: UDPQuery}, Protocol: "udp", Route: RouteVerbatim,
 			Outcome: OutcomeOK, CrossesWire: true, PlaintextOnWire: "yes", OK: true},
@@ -71,7 +72,8 @@ func TestWriteTable(t *testing.T) {
 	var b strings.Builder
 	WriteTable(&b, rs)
 	out := b.String()
-	for _, want := range []string{"HOW IT TRAVELLED", "echo:8080", "dns:53", "1 of the 2 flows that crossed it showed their payload in plaintext; 1 crossed it encrypted"} {
+	for _, want := range []string{"HOW IT TRAVELLED", "echo:8080", "dns:53", "1 of the 2 flows that crossed it showed their payload in plaintext; 1 crossed it encrypted",
+		"ns/default/sa/client → ns/default/sa/echo", "spiffe://td.example/<as shown>"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("table lacks %q:\n%s", want, out)
 		}
