@@ -41,15 +41,17 @@ type podSpec struct {
 	outside bool    // not captured by the node: outside the mesh
 }
 
-// pods are the demo's pods, in order per node: the n-th pod of a node in
-// this list is that node's pod n of the cluster.
-var pods = []podSpec{
-	{name: "client", node: 1},
-	{name: "web", node: 1, serve: svcEcho},
-	{name: "legacy", node: 1, serve: svcEcho, outside: true},
-	{name: "echo", node: 2, serve: svcEcho},
-	{name: "banner", node: 2, serve: svcBanner},
-	{name: "dns", node: 2, serve: svcDNS},
+// pods returns the demo's pods, in order per node: the n-th pod of a node
+// in this list is that node's pod n of the cluster.
+func pods() []podSpec {
+	return []podSpec{
+		{name: "client", node: 1},
+		{name: "web", node: 1, serve: svcEcho},
+		{name: "legacy", node: 1, serve: svcEcho, outside: true},
+		{name: "echo", node: 2, serve: svcEcho},
+		{name: "banner", node: 2, serve: svcBanner},
+		{name: "dns", node: 2, serve: svcDNS},
+	}
 }
 
 // externalServes is what the external host runs.
@@ -127,7 +129,7 @@ func Start(ctx context.Context, opts Options) (d *Demo, err error) {
 	}()
 	perNode := map[int]int{}
 	most := 0
-	for _, p := range pods {
+	for _, p := range pods() {
 		perNode[p.node]++
 		most = max(most, perNode[p.node])
 	}
@@ -144,7 +146,7 @@ func Start(ctx context.Context, opts Options) (d *Demo, err error) {
 	// Name the pods, then start the services.
 	next := map[int]int{}
 	serves := map[*Endpoint]service{}
-	for _, ps := range pods {
+	for _, ps := range pods() {
 		cp := c.Nodes[ps.node-1].Pods[next[ps.node]]
 		next[ps.node]++
 		e := &Endpoint{Name: ps.name, NS: cp.NS, Node: ps.node, IPv4: cp.IPv4, IPv6: cp.IPv6,
@@ -185,6 +187,7 @@ func (d *Demo) startNodes(ctx context.Context) error {
 	procs := make([]*noderun.Process, len(d.cluster.Nodes))
 	errs := make([]error, len(d.cluster.Nodes))
 	var wg sync.WaitGroup
+	nodeFlags := []string{"--log-level", "info"}
 	for i, n := range d.cluster.Nodes {
 		// noderun captures every pod of the node it is given: give it a
 		// copy of the node that lists only the pods in the mesh.
@@ -225,9 +228,6 @@ func (d *Demo) startNodes(ctx context.Context) error {
 	}
 	return errors.Join(errs...)
 }
-
-// nodeFlags are the extra flags of every `meshtun node`.
-var nodeFlags = []string{"--log-level", "info"}
 
 func (d *Demo) endpointOf(ns *cluster.NS) *Endpoint {
 	for _, e := range d.order {
