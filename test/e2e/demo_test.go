@@ -173,7 +173,11 @@ func runDemoJSON(t *testing.T, bin string, asNobody bool) demoSummary {
 	start := time.Now()
 	err := startAndWait(t, cmd, asNobody)
 	took := time.Since(start)
-	t.Logf("meshtun demo (mode from summary below) took %v", took.Round(time.Millisecond))
+	who := "root"
+	if asNobody {
+		who = fmt.Sprintf("uid %d", nobody)
+	}
+	t.Logf("meshtun demo --json as %s took %v", who, took.Round(time.Millisecond))
 	if err != nil {
 		t.Fatalf("meshtun demo --json: %v\nstdout:\n%s\nstderr:\n%s", err, stdout.Bytes(), stderr.Bytes())
 	}
