@@ -121,7 +121,20 @@ var ErrExited = errors.New("meshtun exited")
 
 // WaitLog waits for a log line matching pred, past lines included.
 func (p *Process) WaitLog(ctx context.Context, pred func(Line) bool) (Line, error) {
-	seen := 0
+	return p.WaitLogSince(ctx, 0, pred)
+}
+
+// Len returns the number of log lines so far, a mark for WaitLogSince.
+func (p *Process) Len() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.lines)
+}
+
+// WaitLogSince waits for a log line matching pred among the lines from
+// index since (a Len taken earlier) on.
+func (p *Process) WaitLogSince(ctx context.Context, since int, pred func(Line) bool) (Line, error) {
+	seen := since
 	for {
 		p.mu.Lock()
 		for ; seen < len(p.lines); seen++ {
