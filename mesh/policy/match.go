@@ -377,8 +377,8 @@ func (v *validator) operation(o *Operation, path string) matcher {
 	return matcher{ports: v.ports(o.Ports, path+".ports"), notPorts: v.ports(o.NotPorts, path+".notPorts")}
 }
 
-// ConditionKeys are the when keys an L4 policy can match.
-var ConditionKeys = []string{"source.ip", "source.namespace", "source.principal", "destination.ip", "destination.port"}
+// conditionKeys are the when keys an L4 policy can match.
+var conditionKeys = []string{"source.ip", "source.namespace", "source.principal", "destination.ip", "destination.port"}
 
 func (v *validator) condition(c *Condition, path string) matcher {
 	var m matcher
@@ -407,9 +407,9 @@ func (v *validator) condition(c *Condition, path string) matcher {
 	default:
 		switch {
 		case strings.HasPrefix(c.Key, "request."), strings.HasPrefix(c.Key, "experimental."):
-			v.add(path+".key", fmt.Sprintf("%q is an HTTP (L7) attribute; meshtun enforces L4 policies only (supported: %s)", c.Key, strings.Join(ConditionKeys, ", ")))
+			v.add(path+".key", fmt.Sprintf("%q is an HTTP (L7) attribute; meshtun enforces L4 policies only (supported: %s)", c.Key, strings.Join(conditionKeys, ", ")))
 		default:
-			v.add(path+".key", fmt.Sprintf("%q is not supported at L4 (supported: %s)", c.Key, strings.Join(ConditionKeys, ", ")))
+			v.add(path+".key", fmt.Sprintf("%q is not supported at L4 (supported: %s)", c.Key, strings.Join(conditionKeys, ", ")))
 		}
 	}
 	return m
