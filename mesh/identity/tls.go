@@ -87,7 +87,7 @@ func ServerTLS(src ServerSource, td spiffeid.TrustDomain, pick func(local netip.
 			if hello.Conn == nil {
 				return nil, errors.New("identity: cannot choose a server certificate: no connection in ClientHello")
 			}
-			local, err := AddrOf(hello.Conn.LocalAddr())
+			local, err := addrOf(hello.Conn.LocalAddr())
 			if err != nil {
 				return nil, fmt.Errorf("identity: cannot choose a server certificate: %w", err)
 			}
@@ -137,9 +137,9 @@ func PeerID(cs tls.ConnectionState) (spiffeid.ID, error) {
 	return id, nil
 }
 
-// AddrOf converts a TCP or UDP net.Addr to a netip.AddrPort, with IPv4-mapped
+// addrOf converts a TCP or UDP net.Addr to a netip.AddrPort, with IPv4-mapped
 // IPv6 addresses unmapped.
-func AddrOf(a net.Addr) (netip.AddrPort, error) {
+func addrOf(a net.Addr) (netip.AddrPort, error) {
 	switch a := a.(type) {
 	case nil:
 		return netip.AddrPort{}, errors.New("no address")

@@ -84,10 +84,18 @@ type fixture struct {
 	cl       *Client
 }
 
-func newFixture(t testing.TB, h Handler, clientOpts ...func(*ClientConfig)) *fixture {
+// fixtureOpt adjusts the server's and client's configurations.
+type fixtureOpt func(*ServerConfig, *ClientConfig)
+
+func newFixture(t testing.TB, h Handler, opts ...fixtureOpt) *fixture {
 	t.Helper()
 	ids := newIdentities(t)
-	srv, err := NewServer(ServerConfig{TLS: ids.serverTLS, Handler: h, Logger: testLogger(t)})
+	scfg := ServerConfig{TLS: ids.serverTLS, Handler: h, Logger: testLogger(t)}
+	cfg := ClientConfig{TLS: ids.clientTLS, Logger: testLogger(t)}
+	for _, o := range opts {
+		o(&scfg, &cfg)
+	}
+	srv, err := NewServer(scfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -104,10 +112,6 @@ func newFixture(t testing.TB, h Handler, clientOpts ...func(*ClientConfig)) *fix
 			t.Errorf("Serve: %v", err)
 		}
 	})
-	cfg := ClientConfig{TLS: ids.clientTLS, Logger: testLogger(t)}
-	for _, o := range clientOpts {
-		o(&cfg)
-	}
 	c, err := NewClient(cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -229,13 +233,16 @@ func TestConnectDataBothWays(t *testing.T) {
 	defer conn.Close()
 	uc := up.accept(t)
 
+	// Both directions at once. The upstream ends its half only after the
+	// client's FIN: the other order is TestHalfCloseUpstreamFirst.
 	const size = 3<<20 + 12345
 	toUp, toClient := randomBytes(t, size), randomBytes(t, size)
 	upGot := readAll(uc)
 	clientGot := readAll(conn)
+	wrote := make(chan error, 1)
 	go func() {
-		uc.Write(toClient)
-		uc.CloseWrite()
+		_, err := uc.Write(toClient)
+		wrote <- err
 	}()
 	if n, err := conn.Write(toUp); err != nil || n != size {
 		t.Fatalf("client Write = %d, %v", n, err)
@@ -246,6 +253,10 @@ func TestConnectDataBothWays(t *testing.T) {
 	if r := wait(t, upGot, "upstream read"); r.err != nil || !bytes.Equal(r.data, toUp) {
 		t.Errorf("upstream got %d bytes (%v), want the %d sent, byte-exact", len(r.data), r.err, size)
 	}
+	if err := <-wrote; err != nil {
+		t.Fatalf("upstream write: %v", err)
+	}
+	uc.CloseWrite()
 	if r := wait(t, clientGot, "client read"); r.err != nil || !bytes.Equal(r.data, toClient) {
 		t.Errorf("client got %d bytes (%v), want the %d sent, byte-exact", len(r.data), r.err, size)
 	}
@@ -429,7 +440,10 @@ func TestHalfCloseClientFirst(t *testing.T) {
 }
 
 func TestHalfCloseUpstreamFirst(t *testing.T) {
-	f := newFixture(t, dialHandler)
+	// A linger long enough for the client's 20 ms pace on a loaded
+	// machine; the default is tuned for latency, not for CI.
+	const linger = 500 * time.Millisecond
+	f := newFixture(t, dialHandler, func(s *ServerConfig, _ *ClientConfig) { s.HalfCloseLinger = linger })
 	up := newUpstream(t)
 	conn, err := f.dial(ctxTimeout(t, 5*time.Second), up.addr)
 	if err != nil {
@@ -461,8 +475,8 @@ func TestHalfCloseUpstreamFirst(t *testing.T) {
 	if r.err != nil || len(r.data) != 0 {
 		t.Fatalf("client read %q, %v after the upstream's FIN; want EOF", r.data, r.err)
 	}
-	if d := time.Since(lastWrite); d < DefaultHalfCloseLinger/2 {
-		t.Errorf("EOF %s after the client's last write, before the %s linger", d, DefaultHalfCloseLinger)
+	if d := time.Since(lastWrite); d < linger/2 {
+		t.Errorf("EOF %s after the client's last write, before the %s linger", d, linger)
 	}
 	if r := wait(t, upGot, "upstream"); r.err != nil || string(r.data) != sent.String() {
 		t.Errorf("upstream got %q, %v; want %q", r.data, r.err, sent.String())
@@ -743,7 +757,7 @@ func TestPoolKeys(t *testing.T) {
 
 func TestPoolEvictsIdleConnections(t *testing.T) {
 	ph := &pipeHandler{}
-	f := newFixture(t, ph, func(c *ClientConfig) { c.IdleTimeout = 100 * time.Millisecond })
+	f := newFixture(t, ph, func(_ *ServerConfig, c *ClientConfig) { c.IdleTimeout = 100 * time.Millisecond })
 	defer ph.close()
 	c, err := f.dial(ctxTimeout(t, 5*time.Second), netip.MustParseAddrPort("127.0.0.1:7"))
 	if err != nil {
