@@ -213,8 +213,11 @@ func writeTopology(w io.Writer, d *demo.Demo) {
 
 func writeEndpoint(w io.Writer, e demo.Endpoint) {
 	mesh := "in the mesh"
-	if !e.InMesh {
+	switch {
+	case !e.InMesh:
 		mesh = "outside the mesh"
+	case e.Strict:
+		mesh = "in mesh, STRICT"
 	}
 	serves := e.Serves
 	if serves == "" {

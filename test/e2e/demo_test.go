@@ -246,7 +246,8 @@ func privateTun(rdev uint64) error {
 // checkSummary checks that every flow had its expected outcome and route,
 // that the wire capture agrees with the route (a flow that crossed the
 // node-to-node link showed its payload there exactly when it was not in
-// an mTLS tunnel), and that the flows cover TCP, UDP and ICMP.
+// an mTLS tunnel), that some flow crossed it encrypted and some flow was
+// denied, and that the flows cover TCP, UDP and ICMP.
 func checkSummary(t *testing.T, s demoSummary, mode string) {
 	t.Helper()
 	if s.Mode != mode {
@@ -259,8 +260,15 @@ func checkSummary(t *testing.T, s demoSummary, mode string) {
 		t.Errorf("summary: %d nodes, %d namespaces; want 2 nodes", len(s.Nodes), len(s.Namespaces))
 	}
 	protocols := map[string]bool{}
+	encrypted, denied := 0, 0
 	for _, f := range s.Flows {
 		protocols[f.Protocol] = true
+		if f.Route == "hbone" && f.CrossesWire && f.PlaintextOnWire == "no" && f.Outcome == "ok" {
+			encrypted++
+		}
+		if f.Outcome == "denied" && f.WantOutcome == "denied" {
+			denied++
+		}
 		if f.Outcome != f.WantOutcome || f.Route != f.WantRoute {
 			t.Errorf("flow %q: outcome %s (%s) route %s, want outcome %s route %s", f.Name, f.Outcome, f.Error, f.Route, f.WantOutcome, f.WantRoute)
 		}
@@ -278,6 +286,12 @@ func checkSummary(t *testing.T, s demoSummary, mode string) {
 				t.Errorf("flow %q (route %s): plaintext on wire %q, want %q", f.Name, f.Route, f.PlaintextOnWire, want)
 			}
 		}
+	}
+	if encrypted == 0 {
+		t.Errorf("no flow crossed the node-to-node link encrypted in an HBONE tunnel")
+	}
+	if denied == 0 {
+		t.Errorf("no flow was denied as expected")
 	}
 	for _, p := range []string{"tcp", "udp", "icmp"} {
 		if !protocols[p] {

@@ -25,6 +25,9 @@ import (
 	"time"
 
 	"github.com/rs/zerolog"
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+
+	"github.com/meshtun/meshtun/mesh/identity"
 
 	"github.com/meshtun/meshtun/test/cluster"
 	"github.com/meshtun/meshtun/test/noderun"
@@ -38,7 +41,8 @@ type podSpec struct {
 	name    string
 	node    int     // 1-based
 	serve   service // what it runs; 0 for nothing
-	outside bool    // not captured by the node: outside the mesh
+	outside bool    // not a mesh workload, not captured by the node
+	strict  bool    // STRICT peer authentication: mTLS only
 }
 
 // pods returns the demo's pods, in order per node: the n-th pod of a node
@@ -51,11 +55,19 @@ func pods() []podSpec {
 		{name: "echo", node: 2, serve: svcEcho},
 		{name: "banner", node: 2, serve: svcBanner},
 		{name: "dns", node: 2, serve: svcDNS},
+		{name: "secure", node: 2, serve: svcEcho, strict: true},
 	}
 }
 
 // externalServes is what the external host runs.
 const externalServes = svcEcho
+
+// Every mesh workload of the demo is in this trust domain and Kubernetes
+// namespace, with its pod name as service account.
+const (
+	trustDomain = "cluster.local"
+	namespace   = "default"
+)
 
 // Options configure Start.
 type Options struct {
@@ -79,6 +91,8 @@ type Endpoint struct {
 	IPv4, IPv6 netip.Addr
 	// InMesh is false for the external host and pods outside the mesh.
 	InMesh bool
+	// Strict is true for a workload with STRICT peer authentication.
+	Strict bool
 	// Serves describes its service, "" if none.
 	Serves string
 }
@@ -150,7 +164,7 @@ func Start(ctx context.Context, opts Options) (d *Demo, err error) {
 		cp := c.Nodes[ps.node-1].Pods[next[ps.node]]
 		next[ps.node]++
 		e := &Endpoint{Name: ps.name, NS: cp.NS, Node: ps.node, IPv4: cp.IPv4, IPv6: cp.IPv6,
-			InMesh: !ps.outside, Serves: ps.serve.String()}
+			InMesh: !ps.outside, Strict: ps.strict, Serves: ps.serve.String()}
 		d.add(e)
 		serves[e] = ps.serve
 	}
@@ -178,23 +192,33 @@ func (d *Demo) add(e *Endpoint) {
 	d.order = append(d.order, e)
 }
 
-// startNodes starts `meshtun node` on every node at once, capturing the
-// node's pods that are in the mesh, and streams each node's log into
-// node-<name>.log.
+// startNodes creates the built-in CA's root, starts `meshtun node` on every
+// node at once, capturing the node's pods that are in the mesh, and
+// streams each node's log into node-<name>.log.
 func (d *Demo) startNodes(ctx context.Context) error {
+	// The nodes share the CA's directory; created here, before they
+	// start, it is there for both to load.
+	td, err := spiffeid.TrustDomainFromString(trustDomain)
+	if err != nil {
+		return fmt.Errorf("demo: trust domain: %w", err)
+	}
+	caDir := filepath.Join(d.dir, "ca")
+	if _, err := identity.OpenCA(identity.CAConfig{Dir: caDir, TrustDomain: td, Logger: d.log}); err != nil {
+		return fmt.Errorf("demo: create the CA: %w", err)
+	}
+	nodeFlags := append(d.meshFlags(), "--trust-domain", trustDomain, "--ca-dir", caDir, "--log-level", "info")
 	logCtx, stop := context.WithCancel(context.WithoutCancel(ctx))
 	d.stopLogs = stop
 	procs := make([]*noderun.Process, len(d.cluster.Nodes))
 	errs := make([]error, len(d.cluster.Nodes))
 	var wg sync.WaitGroup
-	nodeFlags := []string{"--log-level", "info"}
 	for i, n := range d.cluster.Nodes {
 		// noderun captures every pod of the node it is given: give it a
 		// copy of the node that lists only the pods in the mesh.
 		inMesh := *n
 		inMesh.Pods = nil
 		for _, p := range n.Pods {
-			if e := d.endpointOf(p.NS); e == nil || e.InMesh {
+			if e := d.endpointOf(p.NS); e != nil && e.InMesh {
 				inMesh.Pods = append(inMesh.Pods, p)
 			}
 		}
@@ -229,6 +253,23 @@ func (d *Demo) startNodes(ctx context.Context) error {
 	return errors.Join(errs...)
 }
 
+// meshFlags describes the mesh to the nodes: every pod in the mesh is a
+// workload in namespace "default" named after the pod, on its node.
+func (d *Demo) meshFlags() []string {
+	var args []string
+	for _, e := range d.order {
+		if !e.InMesh || e.Node == 0 {
+			continue
+		}
+		w := fmt.Sprintf("%s/%s/%s=%s+%s", noderun.NodeName(d.cluster.Nodes[e.Node-1]), namespace, e.Name, e.IPv4, e.IPv6)
+		if e.Strict {
+			w += ";strict"
+		}
+		args = append(args, "--workload", w)
+	}
+	return args
+}
+
 func (d *Demo) endpointOf(ns *cluster.NS) *Endpoint {
 	for _, e := range d.order {
 		if e.NS == ns {
@@ -248,21 +289,25 @@ func (d *Demo) writeConfig() error {
 		IPv4   string `json:"ipv4"`
 		IPv6   string `json:"ipv6"`
 		InMesh bool   `json:"in_mesh"`
+		Strict bool   `json:"strict,omitempty"`
 		Serves string `json:"serves,omitempty"`
 	}
 	cfg := struct {
-		Cluster   string         `json:"cluster"`
-		Fabric    string         `json:"fabric_netns"`
-		Nodes     []NodeInfo     `json:"nodes"`
-		Endpoints []endpointJSON `json:"endpoints"`
-	}{Cluster: d.cluster.Name, Fabric: d.cluster.Fabric.Name(), Nodes: d.nodeInfo}
+		Cluster     string         `json:"cluster"`
+		TrustDomain string         `json:"trust_domain"`
+		CADir       string         `json:"ca_dir"`
+		Fabric      string         `json:"fabric_netns"`
+		Nodes       []NodeInfo     `json:"nodes"`
+		Endpoints   []endpointJSON `json:"endpoints"`
+	}{Cluster: d.cluster.Name, TrustDomain: trustDomain, CADir: filepath.Join(d.dir, "ca"),
+		Fabric: d.cluster.Fabric.Name(), Nodes: d.nodeInfo}
 	for _, e := range d.order {
 		node := "-"
 		if e.Node > 0 {
 			node = fmt.Sprintf("n%d", e.Node)
 		}
 		cfg.Endpoints = append(cfg.Endpoints, endpointJSON{e.Name, node, e.NS.Name(),
-			e.IPv4.String(), e.IPv6.String(), e.InMesh, e.Serves})
+			e.IPv4.String(), e.IPv6.String(), e.InMesh, e.Strict, e.Serves})
 	}
 	b, err := json.MarshalIndent(cfg, "", "  ")
 	if err != nil {

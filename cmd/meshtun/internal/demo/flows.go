@@ -16,8 +16,10 @@ import (
 // RouteVerbatim for flows no node logged (forwarded packet by packet).
 const (
 	RouteVerbatim    = "verbatim"
-	RoutePassthrough = "passthrough"
-	RouteHBONE       = "hbone"
+	RoutePassthrough = "passthrough" // plain TCP from the node
+	RouteHBONE       = "hbone"       // mTLS tunnel to the destination's node
+	RouteLocal       = "local"       // between mesh pods of the same node
+	RouteStrict      = "strict"      // refused: plaintext to a STRICT workload
 )
 
 // Outcomes of a flow.
@@ -48,16 +50,18 @@ type Flow struct {
 // add a flow; Kind says what is exchanged.
 func Flows() []Flow {
 	return []Flow{
-		{Name: "tcp echo, cross-node", From: "client", To: "echo", Kind: TCPEcho, WantRoute: RoutePassthrough},
-		{Name: "tcp echo, same node", From: "client", To: "web", Kind: TCPEcho, WantRoute: RoutePassthrough},
-		{Name: "tcp echo over IPv6", From: "client", To: "echo", Kind: TCPEcho, IPv6: true, WantRoute: RoutePassthrough},
-		{Name: "server speaks first", From: "client", To: "banner", Kind: ServerFirst, WantRoute: RoutePassthrough},
+		{Name: "tcp echo, cross-node", From: "client", To: "echo", Kind: TCPEcho, WantRoute: RouteHBONE},
+		{Name: "tcp echo, same node", From: "client", To: "web", Kind: TCPEcho, WantRoute: RouteLocal},
+		{Name: "tcp echo over IPv6", From: "client", To: "echo", Kind: TCPEcho, IPv6: true, WantRoute: RouteHBONE},
+		{Name: "server speaks first", From: "client", To: "banner", Kind: ServerFirst, WantRoute: RouteHBONE},
 		{Name: "udp dns-like query", From: "client", To: "dns", Kind: UDPQuery, WantRoute: RouteVerbatim},
 		{Name: "ping", From: "client", To: "echo", Kind: Ping, WantRoute: RouteVerbatim},
 		{Name: "pod to external host", From: "client", To: ExternalName, Kind: TCPEcho, WantRoute: RoutePassthrough},
 		{Name: "external host to pod", From: ExternalName, To: "echo", Kind: TCPEcho, WantRoute: RouteVerbatim},
 		{Name: "to pod outside the mesh", From: "client", To: "legacy", Kind: TCPEcho, WantRoute: RoutePassthrough},
 		{Name: "from pod outside the mesh", From: "legacy", To: "echo", Kind: TCPEcho, WantRoute: RouteVerbatim},
+		{Name: "mesh pod to STRICT pod", From: "client", To: "secure", Kind: TCPEcho, WantRoute: RouteHBONE},
+		{Name: "plaintext to STRICT pod", From: "legacy", To: "secure", Kind: TCPEcho, WantRoute: RouteStrict, WantOutcome: OutcomeDenied},
 	}
 }
 
@@ -81,7 +85,8 @@ type Result struct {
 	// CrossesWire is true when the flow crosses the node-to-node link.
 	CrossesWire bool `json:"crosses_wire"`
 	// PlaintextOnWire is "yes" if the flow's marker was captured on the
-	// node-to-node link, "no" if not, "n/a" if the flow does not cross it.
+	// node-to-node link, "no" if not, "n/a" if the flow does not cross it
+	// or sent nothing.
 	PlaintextOnWire string `json:"plaintext_on_wire"`
 	// OK is true when outcome and route are the expected ones.
 	OK bool `json:"ok"`
@@ -167,7 +172,7 @@ func (d *Demo) run(ctx context.Context, i int, f Flow) Result {
 		r.PlaintextOnWire = "unknown"
 	case r.CrossesWire && seen:
 		r.PlaintextOnWire = "yes"
-	case r.CrossesWire:
+	case r.CrossesWire && r.BytesSent > 0:
 		r.PlaintextOnWire = "no"
 	}
 
@@ -221,7 +226,10 @@ func (d *Demo) waitAccessLine(ctx context.Context, src, dst netip.AddrPort, wait
 }
 
 // applyLog sets route, identities and the denial from the flow's access
-// log lines; the source node's outbound line wins over others.
+// log lines; the source node's outbound line wins over others. A flow is
+// denied when the mesh refused it: a line with an error that says
+// "denied" or, on any route but passthrough (where the destination itself
+// answered), "refused".
 func (r *Result) applyLog(lines []noderun.Line) {
 	r.Route, r.SrcIdentity, r.DstIdentity, r.logDenied = RouteVerbatim, "", "", false
 	for i, l := range lines {
@@ -234,7 +242,8 @@ func (r *Result) applyLog(lines []noderun.Line) {
 		if v := l.Str("dst.identity"); v != "" {
 			r.DstIdentity = v
 		}
-		if l.Str("route") == OutcomeDenied || strings.Contains(l.Str("error"), OutcomeDenied) {
+		e := l.Str("error")
+		if strings.Contains(e, "denied") || l.Str("route") != RoutePassthrough && strings.Contains(e, "refused") {
 			r.logDenied = true
 		}
 	}

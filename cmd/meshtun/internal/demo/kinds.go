@@ -7,9 +7,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	mrand "math/rand/v2"
 	"net"
 	"net/netip"
 	"strings"
+	"syscall"
 	"time"
 
 	"golang.org/x/net/icmp"
@@ -73,7 +75,7 @@ func (k Kind) drive(ctx context.Context, ns *cluster.NS, src, dst netip.Addr, ma
 	var x exchange
 	switch k {
 	case TCPEcho, ServerFirst:
-		x = tcpFlow(ctx, ns, netip.AddrPortFrom(dst, uint16(k.Port())), marker, k == ServerFirst)
+		x = tcpFlow(ctx, ns, src, netip.AddrPortFrom(dst, uint16(k.Port())), marker, k == ServerFirst)
 	case UDPQuery:
 		x = udpQuery(ctx, ns, src, netip.AddrPortFrom(dst, uint16(k.Port())), marker)
 	case Ping:
@@ -85,18 +87,17 @@ func (k Kind) drive(ctx context.Context, ns *cluster.NS, src, dst netip.Addr, ma
 	return x
 }
 
-// tcpFlow connects to dst and either echoes a line (reading everything
-// back until the server closes) or, serverFirst, reads the greeting, says
-// HELO and reads the answer.
-func tcpFlow(ctx context.Context, ns *cluster.NS, dst netip.AddrPort, marker string, serverFirst bool) (x exchange) {
-	c, err := ns.Dial(ctx, "tcp", dst.String())
+// tcpFlow connects from src to dst and either echoes a line (reading
+// everything back until the server closes) or, serverFirst, reads the
+// greeting, says HELO and reads the answer.
+func tcpFlow(ctx context.Context, ns *cluster.NS, src netip.Addr, dst netip.AddrPort, marker string, serverFirst bool) (x exchange) {
+	c, local, err := dialFrom(ctx, ns, src, dst)
+	x.local = local
 	if err != nil {
 		x.err = err
 		return x
 	}
 	defer c.Close()
-	la := c.LocalAddr().(*net.TCPAddr).AddrPort()
-	x.local = netip.AddrPortFrom(la.Addr().Unmap(), la.Port())
 	if dl, ok := ctx.Deadline(); ok {
 		c.SetDeadline(dl)
 	}
@@ -155,6 +156,27 @@ func tcpFlow(ctx context.Context, ns *cluster.NS, dst netip.AddrPort, marker str
 		x.err = fmt.Errorf("read until close: %w", err)
 	}
 	return x
+}
+
+// dialFrom connects from src, on a source port it picks itself, to dst,
+// and returns the source address and port also when the connection fails,
+// so that a refusal can be matched with the node's access log.
+func dialFrom(ctx context.Context, ns *cluster.NS, src netip.Addr, dst netip.AddrPort) (net.Conn, netip.AddrPort, error) {
+	var err error
+	for range 5 {
+		local := netip.AddrPortFrom(src, uint16(33000+mrand.IntN(27000)))
+		var c net.Conn
+		err = ns.Do(func() error {
+			d := net.Dialer{LocalAddr: net.TCPAddrFromAddrPort(local)}
+			var derr error
+			c, derr = d.DialContext(ctx, "tcp", dst.String())
+			return derr
+		})
+		if !errors.Is(err, syscall.EADDRINUSE) {
+			return c, local, err
+		}
+	}
+	return nil, netip.AddrPort{}, err
 }
 
 // udpQuery asks dst for "echo.demo." and checks the answer, retrying a
