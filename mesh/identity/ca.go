@@ -21,6 +21,7 @@ import (
 	"github.com/spiffe/go-spiffe/v2/bundle/x509bundle"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
+	"golang.org/x/sys/unix"
 )
 
 // File names of the CA root inside CAConfig.Dir.
@@ -94,6 +95,14 @@ func OpenCA(cfg CAConfig) (*CA, error) {
 	if err := os.MkdirAll(cfg.Dir, 0o700); err != nil {
 		return nil, fmt.Errorf("identity: CA directory: %w", err)
 	}
+	// Node proxies sharing the directory may start together: hold an
+	// exclusive lock while looking for the root and creating it, so that
+	// exactly one creates it and the others load that one.
+	unlock, err := lockDir(cfg.Dir)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
 	keyPath := filepath.Join(cfg.Dir, RootKeyFile)
 	certPath := filepath.Join(cfg.Dir, RootCertFile)
 	keyExists, err := exists(keyPath)
@@ -368,4 +377,24 @@ func newSerial() (*big.Int, error) {
 		return nil, fmt.Errorf("generate serial number: %w", err)
 	}
 	return serial.Add(serial, big.NewInt(1)), nil
+}
+
+// LockFile is the file in a CA directory that OpenCA locks (flock) while
+// it loads or creates the root.
+const LockFile = ".lock"
+
+func lockDir(dir string) (unlock func(), err error) {
+	path := filepath.Join(dir, LockFile)
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("identity: CA lock %s: %w", path, err)
+	}
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("identity: CA lock %s: %w", path, err)
+	}
+	return func() {
+		unix.Flock(int(f.Fd()), unix.LOCK_UN)
+		f.Close()
+	}, nil
 }

@@ -12,6 +12,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -308,5 +309,34 @@ func TestIssue(t *testing.T) {
 	cancel()
 	if _, err := ca.Issue(ctx, id); err == nil {
 		t.Error("Issue with a cancelled context succeeded")
+	}
+}
+
+// TestCAConcurrentOpen: proxies starting together on one directory end up
+// with one root.
+func TestCAConcurrentOpen(t *testing.T) {
+	dir := t.TempDir()
+	td := spiffeid.RequireTrustDomainFromString("cluster.local")
+	const n = 8
+	roots := make([]*x509.Certificate, n)
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			ca, err := OpenCA(CAConfig{Dir: dir, TrustDomain: td})
+			errs[i] = err
+			if err == nil {
+				roots[i] = ca.Root()
+			}
+		})
+	}
+	wg.Wait()
+	for i := range n {
+		if errs[i] != nil {
+			t.Fatalf("open %d: %v", i, errs[i])
+		}
+		if !roots[i].Equal(roots[0]) {
+			t.Fatalf("open %d got a different root than open 0", i)
+		}
 	}
 }
