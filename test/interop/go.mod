@@ -1,0 +1,34 @@
+module github.com/meshtun/meshtun/test/interop
+
+go 1.26.8
+
+require github.com/meshtun/meshtun v0.0.0-00010101000000-000000000000
+
+require github.com/inconshreveable/mousetrap v1.1.0 // indirect
+
+require (
+	github.com/cbeuw/connutil v1.0.1 // indirect
+	github.com/go-jose/go-jose/v4 v4.1.5 // indirect
+	github.com/go-logr/logr v1.4.3 // indirect
+	github.com/golang/protobuf v1.5.4 // indirect
+	github.com/mattn/go-colorable v0.1.14 // indirect
+	github.com/mattn/go-isatty v0.0.22 // indirect
+	github.com/rs/zerolog v1.35.1
+	github.com/spf13/cobra v1.10.2 // indirect
+	github.com/spf13/pflag v1.0.10 // indirect
+	github.com/spiffe/go-spiffe/v2 v2.9.0
+	go.uber.org/multierr v1.11.0 // indirect
+	go.uber.org/zap v1.28.0 // indirect
+	golang.org/x/net v0.62.0 // indirect
+	golang.org/x/sys v0.50.0 // indirect
+	golang.org/x/text v0.43.0 // indirect
+	google.golang.org/genproto/googleapis/api v0.0.0-20260427160629-7cedc36a6bc4 // indirect
+	google.golang.org/grpc v1.82.0 // indirect
+	google.golang.org/protobuf v1.36.12 // indirect
+	gopkg.in/natefinch/lumberjack.v2 v2.2.1 // indirect
+	istio.io/api v1.31.0-rc.0.0.20260824154656-b943409680a7 // indirect
+	istio.io/istio v0.0.0-20260827124520-eed52ebb66ad
+	k8s.io/klog/v2 v2.140.0 // indirect
+)
+
+replace github.com/meshtun/meshtun => ../..
