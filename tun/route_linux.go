@@ -29,11 +29,12 @@ type RoutingConfig struct {
 	// end of each pod's veth). Every packet arriving on one of them is
 	// routed into the TUN: "ip rule add iif <link> lookup <table>".
 	CaptureLinks []string
-	// Uplinks are the node's links towards other nodes. Packets arriving on
-	// them for a captured pod address are routed into the TUN:
-	// "ip rule add to <prefix> iif <uplink> lookup <table>".
-	Uplinks []string
 	// PodPrefixes are the addresses (or ranges) of the captured pods.
+	// Every packet to one of them is routed into the TUN, from wherever it
+	// arrives ("ip rule add to <prefix> lookup <table>"), except packets
+	// the TUN itself hands back and packets the node sends (kubelet
+	// probes): two rules before it send those to the main table
+	// ("ip rule add iif <tun> lookup main", "iif lo lookup main").
 	PodPrefixes []netip.Prefix
 }
 
@@ -53,7 +54,7 @@ func InstallRouting(dev *Device, cfg RoutingConfig) (*Routing, error) {
 	if cfg.Priority == 0 {
 		cfg.Priority = DefaultPriority
 	}
-	if err := RemoveStale(cfg.Table); err != nil {
+	if err := removeStale(cfg.Table, cfg.Priority); err != nil {
 		return nil, err
 	}
 	r := &Routing{}
@@ -68,6 +69,19 @@ func InstallRouting(dev *Device, cfg RoutingConfig) (*Routing, error) {
 		}
 		r.routes = append(r.routes, rt)
 	}
+	// Exemptions first (one priority earlier): what the TUN writes back,
+	// and what the node itself sends.
+	for _, iif := range []string{dev.Name(), "lo"} {
+		for _, family := range []int{unix.AF_INET, unix.AF_INET6} {
+			rule := newRule(cfg, family)
+			rule.Priority = cfg.Priority - 1
+			rule.Table = unix.RT_TABLE_MAIN
+			rule.IifName = iif
+			if err := r.addRule(rule); err != nil {
+				return nil, err
+			}
+		}
+	}
 	for _, link := range cfg.CaptureLinks {
 		for _, family := range []int{unix.AF_INET, unix.AF_INET6} {
 			rule := newRule(cfg, family)
@@ -78,17 +92,14 @@ func InstallRouting(dev *Device, cfg RoutingConfig) (*Routing, error) {
 		}
 	}
 	for _, p := range cfg.PodPrefixes {
-		for _, uplink := range cfg.Uplinks {
-			family := unix.AF_INET
-			if p.Addr().Is6() {
-				family = unix.AF_INET6
-			}
-			rule := newRule(cfg, family)
-			rule.IifName = uplink
-			rule.Dst = prefixToIPNet(p)
-			if err := r.addRule(rule); err != nil {
-				return nil, err
-			}
+		family := unix.AF_INET
+		if p.Addr().Is6() {
+			family = unix.AF_INET6
+		}
+		rule := newRule(cfg, family)
+		rule.Dst = prefixToIPNet(p)
+		if err := r.addRule(rule); err != nil {
+			return nil, err
 		}
 	}
 	return r, nil
@@ -129,16 +140,26 @@ func (r *Routing) Close() error {
 	return errors.Join(errs...)
 }
 
-// RemoveStale deletes every policy rule that points at table and every
-// route in it, for IPv4 and IPv6: the leftovers of a run that did not exit
-// cleanly.
+// RemoveStale deletes every policy rule that points at table, or has
+// meshtun's exemption priority (priority-1) and points at the main table,
+// and every route in table, for IPv4 and IPv6: the leftovers of a run that
+// did not exit cleanly.
 func RemoveStale(table int) error {
+	return removeStale(table, DefaultPriority)
+}
+
+func removeStale(table, priority int) error {
 	var errs []error
 	for _, family := range []int{unix.AF_INET, unix.AF_INET6} {
 		rules, err := netlink.RuleListFiltered(family, &netlink.Rule{Table: table}, netlink.RT_FILTER_TABLE)
 		if err != nil {
 			return fmt.Errorf("tun: list rules: %w", err)
 		}
+		exempt, err := netlink.RuleListFiltered(family, &netlink.Rule{Table: unix.RT_TABLE_MAIN, Priority: priority - 1}, netlink.RT_FILTER_TABLE|netlink.RT_FILTER_PRIORITY)
+		if err != nil {
+			return fmt.Errorf("tun: list rules: %w", err)
+		}
+		rules = append(rules, exempt...)
 		for i := range rules {
 			if err := netlink.RuleDel(&rules[i]); err != nil && !errors.Is(err, unix.ENOENT) {
 				errs = append(errs, fmt.Errorf("tun: delete stale rule %s: %w", rules[i], err))

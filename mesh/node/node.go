@@ -14,6 +14,7 @@ import (
 	"github.com/rs/zerolog"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 
+	"github.com/meshtun/meshtun/mesh/config"
 	"github.com/meshtun/meshtun/mesh/identity"
 	"github.com/meshtun/meshtun/mesh/proxy"
 	"github.com/meshtun/meshtun/mesh/registry"
@@ -37,6 +38,10 @@ type Config struct {
 	// CA is the built-in certificate authority that issues the local
 	// workloads' SVIDs. Its TrustDomain must be Mesh's.
 	CA identity.CAConfig
+	// ConfigPath, if set, is watched: a valid change replaces the mesh
+	// model (workloads, services, policies) without dropping established
+	// connections; node settings in it take effect at the next start.
+	ConfigPath string
 	// NoIntercept leaves every packet verbatim: the TUN is in the path but
 	// no flow is proxied. For measuring the TUN path alone.
 	NoIntercept bool
@@ -185,7 +190,6 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	}
 	routes, err = tun.InstallRouting(dev, tun.RoutingConfig{
 		CaptureLinks: cfg.CaptureLinks,
-		Uplinks:      cfg.Uplinks,
 		PodPrefixes:  pods,
 	})
 	if err != nil {
@@ -200,6 +204,10 @@ func Run(ctx context.Context, cfg Config) (err error) {
 		defer stopAdmin()
 	}
 
+	if cfg.ConfigPath != "" {
+		go watchConfig(ctx, cfg.ConfigPath, reg, px, log)
+	}
+
 	log.Info().Str("node", cfg.Name).Str("tun", dev.Name()).Int("mtu", dev.MTU()).
 		Strs("capture_links", cfg.CaptureLinks).Strs("uplinks", cfg.Uplinks).
 		Int("workloads", len(locals)).Str("trust_domain", cfg.Mesh.TrustDomain.String()).
@@ -211,9 +219,10 @@ func Run(ctx context.Context, cfg Config) (err error) {
 
 // capturePolicy selects the SYNs the netstack takes: connections opened by
 // a local mesh workload (outbound), HBONE to a local mesh workload
-// (inbound), and any connection to a local STRICT workload (to be refused
-// unless it is HBONE). Everything else stays verbatim; PERMISSIVE
-// workloads receive plaintext directly.
+// (inbound), and plaintext to a local mesh workload that STRICT mode or an
+// authorization policy protects (to be authorized, or refused). Everything
+// else stays verbatim: plaintext to an unprotected PERMISSIVE workload
+// reaches it directly.
 func capturePolicy(reg *registry.Registry, node string) classify.Policy {
 	return classify.PolicyFunc(func(src, dst netip.AddrPort) bool {
 		s := reg.Load()
@@ -221,8 +230,42 @@ func capturePolicy(reg *registry.Registry, node string) classify.Policy {
 			return true
 		}
 		if w := s.Workload(dst.Addr()); w != nil && w.InMesh && w.Node == node {
-			return dst.Port() == hbone.Port || w.PeerAuth == registry.Strict
+			if dst.Port() == hbone.Port {
+				return true
+			}
+			deny, allow, strict := w.Policies()
+			return strict || len(deny) > 0 || len(allow) > 0
 		}
 		return false
 	})
+}
+
+// watchConfig replaces the mesh model whenever the config file changes to
+// a valid one, and has the proxy re-authorize its open connections. An
+// invalid file keeps the last good model.
+func watchConfig(ctx context.Context, path string, reg *registry.Registry, px *proxy.Proxy, log zerolog.Logger) {
+	first := true
+	err := config.Watch(ctx, path, func(c *config.Config) {
+		if first { // Watch delivers the current file once it watches
+			first = false
+			return
+		}
+		snap, err := c.Snapshot()
+		if err != nil {
+			log.Error().Err(err).Str("config", path).Msg("config reload failed; keeping the last good model")
+			return
+		}
+		for _, w := range c.Warnings {
+			log.Warn().Str("config", path).Msg(w)
+		}
+		reg.Store(snap)
+		closed := px.Reauthorize()
+		log.Info().Str("config", path).Int("workloads", len(snap.Workloads)).Int("services", len(snap.Services)).
+			Int("policies", len(snap.Policies)).Int("connections_closed", closed).Msg("config reloaded")
+	}, func(err error) {
+		log.Error().Err(err).Str("config", path).Msg("config reload failed; keeping the last good model")
+	})
+	if err != nil && !errors.Is(err, context.Canceled) {
+		log.Error().Err(err).Str("config", path).Msg("config watch stopped")
+	}
 }

@@ -62,7 +62,8 @@ func (p *Proxy) connect(ctx context.Context, r *hbone.Request) (net.Conn, error)
 	if snap.Workload(r.LocalAddr.Addr()) != dst {
 		return fail(hbone.ErrBadRequest, "target %s is not served by HBONE endpoint %s", r.Target, r.LocalAddr)
 	}
-	if err := p.authorize(r.Peer, srcAddr.Addr(), dst, r.Target.Port()); err != nil {
+	areq, err := p.authorize(snap, r.Peer, srcAddr.Addr(), r.Target)
+	if err != nil {
 		return fail(hbone.ErrDenied, "%v", err)
 	}
 	ns := p.netstack()
@@ -76,14 +77,34 @@ func (p *Proxy) connect(ctx context.Context, r *hbone.Request) (net.Conn, error)
 	if err != nil {
 		return fail(hbone.ErrUnreachable, "connect %s from %s: %v", r.Target, srcAddr, err)
 	}
-	return &countedConn{Conn: up, done: func(sent, recv int64, reset bool) {
+	cc := &countedConn{Conn: up}
+	t := p.open.add(areq, func() { cc.Abort() })
+	cc.done = func(sent, recv int64, reset bool) {
+		p.open.remove(t)
 		e := ev()
 		if reset {
 			e = e.Str("error", "connection reset")
 		}
 		e.Int64("bytes_sent", sent).Int64("bytes_recv", recv).Dur("duration", time.Since(start)).
 			Msg("connection complete")
-	}}, nil
+	}
+	return cc, nil
+}
+
+// inboundPlain handles a plaintext connection from outside the mesh to a
+// local workload that STRICT mode or an authorization policy protects:
+// authorized without an identity (STRICT always refuses), then delivered
+// from the client's address.
+func (p *Proxy) inboundPlain(snap *registry.Snapshot, req *stack.TCPRequest, src, dst *registry.Workload) {
+	start := time.Now()
+	ev := func() *zerolog.Event { return p.access(req, src, dst, "inbound", "plaintext") }
+	areq, err := p.authorize(snap, spiffeid.ID{}, req.Src.Addr(), req.Dst)
+	if err != nil {
+		req.Reject()
+		ev().Str("error", connectError(err)).Msg("connection refused")
+		return
+	}
+	p.deliver(req, areq, req.Dst, ev, start)
 }
 
 // inboundSource returns the address the upstream connection is made from:
@@ -100,15 +121,6 @@ func (p *Proxy) inboundSource(snap *registry.Snapshot, r *hbone.Request) (netip.
 			Msg("forwarded address does not belong to the peer's identity; using the tunnel's address")
 	}
 	return netip.AddrPortFrom(r.PeerAddr.Addr(), 0), snap.Workload(r.PeerAddr.Addr())
-}
-
-// authorize applies the destination's authorization to a connection from
-// peer (zero if unauthenticated) at srcIP to port of dst.
-func (p *Proxy) authorize(peer spiffeid.ID, srcIP netip.Addr, dst *registry.Workload, port uint16) error {
-	if dst.PeerAuth == registry.Strict && peer.IsZero() {
-		return errors.New("STRICT peer authentication: no verified identity")
-	}
-	return nil
 }
 
 // countedConn counts the bytes of an upstream connection the HBONE server

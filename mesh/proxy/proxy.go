@@ -65,6 +65,7 @@ type Proxy struct {
 	ctx    context.Context
 	netstk atomic.Pointer[Dialer]
 	server atomic.Pointer[hbone.Server]
+	open   tracker // authorized connections, for Reauthorize
 }
 
 // New returns a Proxy whose connections live until ctx is done.
@@ -104,24 +105,48 @@ func (p *Proxy) HandleTCP(req *stack.TCPRequest) {
 	snap := p.cfg.Registry.Load()
 	src := snap.Workload(req.Src.Addr())
 	dst := snap.Workload(req.Dst.Addr())
-	local := func(w *registry.Workload) bool { return w != nil && w.InMesh && w.Node == p.cfg.Node }
 
 	switch {
-	case local(dst) && req.Dst.Port() == hbone.Port && p.server.Load() != nil:
+	case p.local(dst) && req.Dst.Port() == hbone.Port && p.server.Load() != nil:
 		p.inbound(req, dst)
-	case local(src) && dst != nil && dst.InMesh && p.cfg.HBONE != nil:
-		if dst.Node == p.cfg.Node {
-			p.sameNode(req, src, dst)
-		} else {
-			p.outbound(req, src, dst)
-		}
-	case local(dst) && dst.PeerAuth == registry.Strict && !local(src):
-		req.Reject()
-		p.access(req, src, dst, "inbound", "strict").
-			Str("error", "plaintext connection to a STRICT workload refused").
-			Msg("connection refused")
+	case p.local(src):
+		p.outboundFrom(snap, req, src, dst)
+	case p.local(dst):
+		// Plaintext from outside the mesh to a local workload that STRICT
+		// mode or a policy protects (the others are not intercepted).
+		p.inboundPlain(snap, req, src, dst)
 	default:
-		p.passthrough(req, src, dst)
+		p.passthrough(req, src, dst, req.Dst, "")
+	}
+}
+
+func (p *Proxy) local(w *registry.Workload) bool {
+	return w != nil && w.InMesh && w.Node == p.cfg.Node
+}
+
+// outboundFrom routes a connection opened by a local mesh workload: to a
+// service VIP, it picks an endpoint first; a mesh destination on another
+// node is reached through HBONE, one on this node inside the proxy, and
+// anything else by passthrough.
+func (p *Proxy) outboundFrom(snap *registry.Snapshot, req *stack.TCPRequest, src, dst *registry.Workload) {
+	target, host := req.Dst, ""
+	if svc, port := snap.Service(req.Dst); svc != nil {
+		ep, ok := svc.Pick(req.Dst.Addr(), p.cfg.Node)
+		if !ok {
+			req.Reject()
+			p.access(req, src, nil, "outbound", "service").Str("dst.service", svc.Hostname).
+				Str("error", "no endpoint").Msg("connection refused")
+			return
+		}
+		target, host, dst = netip.AddrPortFrom(ep.Addr, port.Target()), svc.Hostname, ep.Workload
+	}
+	switch {
+	case dst != nil && dst.InMesh && p.cfg.HBONE != nil && dst.Node == p.cfg.Node:
+		p.sameNode(snap, req, src, dst, target, host)
+	case dst != nil && dst.InMesh && p.cfg.HBONE != nil:
+		p.outbound(req, src, dst, target, host)
+	default:
+		p.passthrough(req, src, dst, target, host)
 	}
 }
 
@@ -129,23 +154,32 @@ func (p *Proxy) HandleTCP(req *stack.TCPRequest) {
 // first, and only then completes the client's handshake, so that a refused
 // or unreachable destination looks to the client as it would without
 // meshtun: a reset.
-func (p *Proxy) passthrough(req *stack.TCPRequest, src, dst *registry.Workload) {
+func (p *Proxy) passthrough(req *stack.TCPRequest, src, dst *registry.Workload, target netip.AddrPort, host string) {
 	start := time.Now()
-	up, err := p.dialer.DialContext(p.ctx, "tcp", req.Dst.String())
+	ev := func() *zerolog.Event {
+		ev := p.access(req, src, dst, "outbound", "passthrough")
+		if target != req.Dst {
+			ev.Str("dst.target", target.String())
+		}
+		if host != "" {
+			ev.Str("dst.service", host)
+		}
+		return ev
+	}
+	up, err := p.dialer.DialContext(p.ctx, "tcp", target.String())
 	if err != nil {
 		req.Reject()
-		p.access(req, src, dst, "outbound", "passthrough").Str("error", connectError(err)).
-			Err(err).Msg("connection refused")
+		ev().Str("error", connectError(err)).Err(err).Msg("connection refused")
 		return
 	}
 	down, err := req.Accept()
 	if err != nil {
 		reset(up)
-		p.access(req, src, dst, "outbound", "passthrough").Err(err).Msg("client handshake failed")
+		ev().Err(err).Msg("client handshake failed")
 		return
 	}
 	res := relay(down, up)
-	p.done(p.access(req, src, dst, "outbound", "passthrough"), res, start)
+	p.done(ev(), res, start)
 }
 
 // access starts an access-log event with ztunnel's field names.
@@ -187,6 +221,10 @@ func connectError(err error) string {
 		return "timeout"
 	case errors.Is(err, hbone.ErrDenied):
 		return "denied by policy"
+	}
+	var de *deniedError
+	if errors.As(err, &de) {
+		return de.Error()
 	}
 	return err.Error()
 }

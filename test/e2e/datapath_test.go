@@ -67,23 +67,29 @@ func (mc *meshCluster) start(t testing.TB, n *cluster.Node, extra ...string) nod
 	return startMeshNode(t, mc.c, n, mc.outside, mc.strictSet, extra...)
 }
 
-// accessLog waits for node m's access-log line (message) of the connection
-// whose client address is src.
-func accessLog(t testing.TB, m nodeProc, src netip.AddrPort, message string) noderun.Line {
+// accessLog waits for node m's access-log line (message) of the
+// connection from client to its peer (the client's view of both ends).
+func accessLog(t testing.TB, m nodeProc, client net.Conn, message string) noderun.Line {
 	t.Helper()
+	src, dst := localAddr(client), remoteAddr(client)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	l, err := m.WaitLog(ctx, func(l noderun.Line) bool {
-		return l.Str("message") == message && l.Str("src.addr") == src.String()
+		return l.Str("message") == message && l.Str("src.addr") == src.String() && l.Str("dst.addr") == dst.String()
 	})
 	if err != nil {
-		t.Fatalf("no %q access log for %s on %s: %v", message, src, m.Node.Name(), err)
+		t.Fatalf("no %q access log for %s → %s on %s: %v", message, src, dst, m.Node.Name(), err)
 	}
 	return l
 }
 
 func localAddr(c net.Conn) netip.AddrPort {
 	a := c.LocalAddr().(*net.TCPAddr).AddrPort()
+	return netip.AddrPortFrom(a.Addr().Unmap(), a.Port())
+}
+
+func remoteAddr(c net.Conn) netip.AddrPort {
+	a := c.RemoteAddr().(*net.TCPAddr).AddrPort()
 	return netip.AddrPortFrom(a.Addr().Unmap(), a.Port())
 }
 
@@ -123,9 +129,9 @@ func TestDataPath(t *testing.T) {
 			t.Errorf("server saw %s, want the client's own address %s", peer, local)
 		}
 		client.Close()
-		out := accessLog(t, m1, localAddr(client), "connection complete")
+		out := accessLog(t, m1, client, "connection complete")
 		wantFields(t, out, "route", "hbone", "direction", "outbound", "src.identity", id(srcPod), "dst.identity", id(dstPod))
-		in := accessLog(t, m2, localAddr(client), "connection complete")
+		in := accessLog(t, m2, client, "connection complete")
 		wantFields(t, in, "route", "hbone", "direction", "inbound", "src.identity", id(srcPod))
 	}
 	// passthrough asserts that a connection went through node 1's proxy
@@ -151,7 +157,7 @@ func TestDataPath(t *testing.T) {
 			t.Errorf("server saw %s, want the client's address %s", peer, p11.IPv4)
 		}
 		cl.Close()
-		l := accessLog(t, m1, localAddr(cl), "connection complete")
+		l := accessLog(t, m1, cl, "connection complete")
 		wantFields(t, l, "route", "local", "src.identity", id("n1p1"), "dst.identity", id("n1p2"))
 	})
 	t.Run("mesh IPv6 TCP cross-node", func(t *testing.T) {
@@ -293,7 +299,7 @@ func TestDataPath(t *testing.T) {
 			t.Error(err)
 		}
 		conns[n-1].Close()
-		l := accessLog(t, m1, localAddr(conns[n-1]), "connection complete")
+		l := accessLog(t, m1, conns[n-1], "connection complete")
 		wantFields(t, l, "route", "hbone")
 	})
 	t.Run("passthrough to a pod outside the mesh", func(t *testing.T) {
@@ -302,7 +308,7 @@ func TestDataPath(t *testing.T) {
 		exchange(t, cl, 4<<20)
 		passthrough(t, s, cl, n1.IPv4)
 		cl.Close()
-		wantFields(t, accessLog(t, m1, localAddr(cl), "connection complete"), "route", "passthrough")
+		wantFields(t, accessLog(t, m1, cl, "connection complete"), "route", "passthrough")
 	})
 	t.Run("pod to external host", func(t *testing.T) {
 		s := serve(t, ext, 7008, exchangeServer(4<<20))

@@ -53,10 +53,36 @@ func startNode(t testing.TB, c *cluster.Cluster, n *cluster.Node, extra ...strin
 // and those in strict in STRICT mode.
 func startMeshNode(t testing.TB, c *cluster.Cluster, n *cluster.Node, outside, strict map[string]bool, extra ...string) nodeProc {
 	t.Helper()
+	m := noderun.Mesh{Pods: map[string]noderun.Pod{}}
+	for id := range outside {
+		m.Pods[id] = noderun.Pod{Outside: true}
+	}
+	for id := range strict {
+		m.Pods[id] = noderun.Pod{Strict: true}
+	}
+	return startWithConfig(t, n, writeConfig(t, c, m), extra...)
+}
+
+// writeConfig writes the config of cluster c with mesh m into the
+// cluster's directory and returns its path.
+func writeConfig(t testing.TB, c *cluster.Cluster, m noderun.Mesh) string {
+	t.Helper()
+	path, err := noderun.WriteConfig(c, clusterDir(t, c), m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// startWithConfig starts meshtun in n's namespace with the config file at
+// path and waits until it reports ready. It is stopped at the end of the
+// test if still running, and its log is shown if the test failed.
+func startWithConfig(t testing.TB, n *cluster.Node, path string, extra ...string) nodeProc {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	args := append(noderun.MeshArgs(c, caDir(t, c), outside, strict), "--log-level", "debug")
-	p, err := noderun.Start(ctx, meshtunBin, n, append(args, extra...)...)
+	args := append([]string{"--config", path, "--log-level", "debug"}, extra...)
+	p, err := noderun.Start(ctx, meshtunBin, n, args...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -69,14 +95,19 @@ func startMeshNode(t testing.TB, c *cluster.Cluster, n *cluster.Node, outside, s
 	return nodeProc{p}
 }
 
-var caDirs sync.Map // *cluster.Cluster → string
+var clusterDirs sync.Map // *cluster.Cluster → string
 
-// caDir returns the CA directory shared by the nodes of c.
-func caDir(t testing.TB, c *cluster.Cluster) string {
-	if d, ok := caDirs.Load(c); ok {
+// clusterDir returns the directory of c's config file and CA.
+func clusterDir(t testing.TB, c *cluster.Cluster) string {
+	if d, ok := clusterDirs.Load(c); ok {
 		return d.(string)
 	}
 	d := t.TempDir()
-	caDirs.Store(c, d)
+	clusterDirs.Store(c, d)
 	return d
+}
+
+// caDir returns the CA directory shared by the nodes of c.
+func caDir(t testing.TB, c *cluster.Cluster) string {
+	return filepath.Join(clusterDir(t, c), "ca")
 }

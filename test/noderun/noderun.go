@@ -10,6 +10,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
+	"path/filepath"
+	"sort"
 	"strings"
 	"sync"
 	"syscall"
@@ -43,38 +46,88 @@ type Process struct {
 // NodeName is the mesh name of cluster node n: "n<index>".
 func NodeName(n *cluster.Node) string { return fmt.Sprintf("n%d", n.Index) }
 
-// Args returns the flags that name node n and capture every pod of it.
-func Args(n *cluster.Node) []string {
-	args := []string{"--node", NodeName(n), "--uplink", n.Uplink}
-	for _, p := range n.Pods {
-		args = append(args, "--capture-link", p.HostLink)
-	}
-	return args
+// Args returns the flags that select node n in the config file.
+func Args(n *cluster.Node) []string { return []string{"--node", NodeName(n)} }
+
+// Pod says how a cluster pod appears in the mesh config.
+type Pod struct {
+	// Name is the workload name (and service account); the pod ID
+	// (n1p1, …) if empty.
+	Name string
+	// Outside: known to the mesh but not in it (not captured, reached in
+	// plaintext).
+	Outside bool
+	// Strict: STRICT peer authentication.
+	Strict bool
+	// Labels of the workload.
+	Labels map[string]string
 }
 
-// MeshArgs returns the flags that describe the mesh of cluster c to a node:
-// every pod is a mesh workload in namespace "default" named, and with a
-// service account named, after its ID (n1p1, …), except the pods in
-// outside; pods in strict have STRICT peer authentication. caDir is the
-// built-in CA's directory, shared by all nodes.
-func MeshArgs(c *cluster.Cluster, caDir string, outside, strict map[string]bool) []string {
-	args := []string{"--ca-dir", caDir}
+// Mesh describes the mesh of a cluster for WriteConfig.
+type Mesh struct {
+	// Pods by pod ID; a pod not listed is a mesh workload named after its
+	// ID, in namespace "default".
+	Pods map[string]Pod
+	// Extra is YAML appended to the file: services, authorization
+	// policies.
+	Extra string
+}
+
+// WriteConfig writes the config file of cluster c and mesh m to
+// dir/mesh.yaml, with the built-in CA in dir/ca, and returns its path.
+// Every node has a TUN meshtun0, uplink eth0 and the admin server on
+// 127.0.0.1:15000 of its own namespace.
+func WriteConfig(c *cluster.Cluster, dir string, m Mesh) (string, error) {
+	var b strings.Builder
+	fmt.Fprintf(&b, "# Generated for cluster %s.\ntrustDomain: cluster.local\nca: {dir: %q}\nnodes:\n", c.Name, filepath.Join(dir, "ca"))
+	for _, n := range c.Nodes {
+		fmt.Fprintf(&b, "  - {name: %s, tun: {name: meshtun0, mtu: 1500}, uplinks: [%s], listen: {admin: \"127.0.0.1:15000\"}}\n", NodeName(n), n.Uplink)
+	}
+	b.WriteString("workloads:\n")
 	for _, n := range c.Nodes {
 		for _, p := range n.Pods {
-			if outside[p.ID] {
-				continue
+			o := m.Pods[p.ID]
+			name := o.Name
+			if name == "" {
+				name = p.ID
 			}
-			w := fmt.Sprintf("%s/default/%s=%s+%s", NodeName(n), p.ID, p.IPv4, p.IPv6)
-			if strict[p.ID] {
-				w += ";strict"
+			fmt.Fprintf(&b, "  - {name: %s, namespace: default, serviceAccount: %s, node: %s, addresses: [%s, %q]",
+				name, name, NodeName(n), p.IPv4, p.IPv6.String())
+			if o.Outside {
+				b.WriteString(", mesh: false")
+			} else {
+				fmt.Fprintf(&b, ", captureLink: %s", p.HostLink)
 			}
-			args = append(args, "--workload", w)
+			if o.Strict {
+				b.WriteString(", peerAuthentication: STRICT")
+			}
+			if len(o.Labels) > 0 {
+				keys := make([]string, 0, len(o.Labels))
+				for k := range o.Labels {
+					keys = append(keys, k)
+				}
+				sort.Strings(keys)
+				b.WriteString(", labels: {")
+				for i, k := range keys {
+					if i > 0 {
+						b.WriteString(", ")
+					}
+					fmt.Fprintf(&b, "%s: %q", k, o.Labels[k])
+				}
+				b.WriteString("}")
+			}
+			b.WriteString("}\n")
 		}
 	}
-	return args
+	b.WriteString(m.Extra)
+	path := filepath.Join(dir, "mesh.yaml")
+	if err := os.WriteFile(path, []byte(b.String()), 0o644); err != nil {
+		return "", fmt.Errorf("noderun: write config: %w", err)
+	}
+	return path, nil
 }
 
-// Start runs `bin node <Args(n)> <extra>` in n's namespace and waits until
+// Start runs `bin node --node <name of n> <extra>` in n's namespace and waits until
 // it logs node.ReadyMessage (or ctx ends, or the process exits). The
 // cluster stops the process on Close if it is still running.
 func Start(ctx context.Context, bin string, n *cluster.Node, extra ...string) (*Process, error) {

@@ -117,11 +117,13 @@ type Demo struct {
 	order     []*Endpoint
 	nodes     []*noderun.Process
 	nodeInfo  []NodeInfo
-	dir       string
-	wire      *wire
-	closers   []io.Closer
-	logsDone  sync.WaitGroup
-	stopLogs  context.CancelFunc
+	// configPath is the generated mesh config file.
+	configPath string
+	dir        string
+	wire       *wire
+	closers    []io.Closer
+	logsDone   sync.WaitGroup
+	stopLogs   context.CancelFunc
 
 	closeOnce sync.Once
 	closeErr  error
@@ -192,42 +194,48 @@ func (d *Demo) add(e *Endpoint) {
 	d.order = append(d.order, e)
 }
 
-// startNodes creates the built-in CA's root, starts `meshtun node` on every
-// node at once, capturing the node's pods that are in the mesh, and
-// streams each node's log into node-<name>.log.
+// startNodes writes the mesh config (every pod in the mesh is a workload
+// in namespace "default" named after its role; the others are known but
+// outside the mesh), creates the built-in CA's root, starts `meshtun node`
+// on every node at once and streams each node's log into
+// node-<name>.log.
 func (d *Demo) startNodes(ctx context.Context) error {
-	// The nodes share the CA's directory; created here, before they
-	// start, it is there for both to load.
+	mesh := noderun.Mesh{Pods: map[string]noderun.Pod{}}
+	for _, n := range d.cluster.Nodes {
+		for _, p := range n.Pods {
+			if e := d.endpointOf(p.NS); e != nil {
+				mesh.Pods[p.ID] = noderun.Pod{Name: e.Name, Outside: !e.InMesh, Strict: e.Strict,
+					Labels: map[string]string{"app": e.Name}}
+			}
+		}
+	}
+	mesh.Extra = meshPolicies
+	cfgPath, err := noderun.WriteConfig(d.cluster, d.dir, mesh)
+	if err != nil {
+		return fmt.Errorf("demo: %w", err)
+	}
+	d.configPath = cfgPath
+	// Created here, before the nodes start, the root is there for both.
 	td, err := spiffeid.TrustDomainFromString(trustDomain)
 	if err != nil {
 		return fmt.Errorf("demo: trust domain: %w", err)
 	}
-	caDir := filepath.Join(d.dir, "ca")
-	if _, err := identity.OpenCA(identity.CAConfig{Dir: caDir, TrustDomain: td, Logger: d.log}); err != nil {
+	if _, err := identity.OpenCA(identity.CAConfig{Dir: filepath.Join(d.dir, "ca"), TrustDomain: td, Logger: d.log}); err != nil {
 		return fmt.Errorf("demo: create the CA: %w", err)
 	}
-	nodeFlags := append(d.meshFlags(), "--trust-domain", trustDomain, "--ca-dir", caDir, "--log-level", "info")
+	nodeFlags := []string{"--config", cfgPath, "--log-level", "info"}
 	logCtx, stop := context.WithCancel(context.WithoutCancel(ctx))
 	d.stopLogs = stop
 	procs := make([]*noderun.Process, len(d.cluster.Nodes))
 	errs := make([]error, len(d.cluster.Nodes))
 	var wg sync.WaitGroup
 	for i, n := range d.cluster.Nodes {
-		// noderun captures every pod of the node it is given: give it a
-		// copy of the node that lists only the pods in the mesh.
-		inMesh := *n
-		inMesh.Pods = nil
-		for _, p := range n.Pods {
-			if e := d.endpointOf(p.NS); e != nil && e.InMesh {
-				inMesh.Pods = append(inMesh.Pods, p)
-			}
-		}
 		d.nodeInfo = append(d.nodeInfo, NodeInfo{
-			Name: fmt.Sprintf("n%d", n.Index), NetNS: n.Name(), IPv4: n.IPv4.String(),
-			Args: append(append([]string{"node"}, noderun.Args(&inMesh)...), nodeFlags...),
+			Name: noderun.NodeName(n), NetNS: n.Name(), IPv4: n.IPv4.String(),
+			Args: append(append([]string{"node"}, noderun.Args(n)...), nodeFlags...),
 		})
 		wg.Go(func() {
-			procs[i], errs[i] = noderun.Start(ctx, d.opts.Bin, &inMesh, nodeFlags...)
+			procs[i], errs[i] = noderun.Start(ctx, d.opts.Bin, n, nodeFlags...)
 		})
 	}
 	wg.Wait()
@@ -253,22 +261,16 @@ func (d *Demo) startNodes(ctx context.Context) error {
 	return errors.Join(errs...)
 }
 
-// meshFlags describes the mesh to the nodes: every pod in the mesh is a
-// workload in namespace "default" named after the pod, on its node.
-func (d *Demo) meshFlags() []string {
-	var args []string
-	for _, e := range d.order {
-		if !e.InMesh || e.Node == 0 {
-			continue
-		}
-		w := fmt.Sprintf("%s/%s/%s=%s+%s", noderun.NodeName(d.cluster.Nodes[e.Node-1]), namespace, e.Name, e.IPv4, e.IPv6)
-		if e.Strict {
-			w += ";strict"
-		}
-		args = append(args, "--workload", w)
-	}
-	return args
-}
+// meshPolicies are the demo's authorization policies: only the client's
+// identity may reach the banner service.
+const meshPolicies = `authorizationPolicies:
+  - name: banner-from-client
+    namespace: default
+    selector: {app: banner}
+    action: ALLOW
+    rules:
+      - from: [{principals: [cluster.local/ns/default/sa/client]}]
+`
 
 func (d *Demo) endpointOf(ns *cluster.NS) *Endpoint {
 	for _, e := range d.order {

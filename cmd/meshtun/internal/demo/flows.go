@@ -19,7 +19,7 @@ const (
 	RoutePassthrough = "passthrough" // plain TCP from the node
 	RouteHBONE       = "hbone"       // mTLS tunnel to the destination's node
 	RouteLocal       = "local"       // between mesh pods of the same node
-	RouteStrict      = "strict"      // refused: plaintext to a STRICT workload
+	RoutePlaintext   = "plaintext"   // plaintext to a workload its node protects (STRICT, policy)
 )
 
 // Outcomes of a flow.
@@ -61,7 +61,8 @@ func Flows() []Flow {
 		{Name: "to pod outside the mesh", From: "client", To: "legacy", Kind: TCPEcho, WantRoute: RoutePassthrough},
 		{Name: "from pod outside the mesh", From: "legacy", To: "echo", Kind: TCPEcho, WantRoute: RouteVerbatim},
 		{Name: "mesh pod to STRICT pod", From: "client", To: "secure", Kind: TCPEcho, WantRoute: RouteHBONE},
-		{Name: "plaintext to STRICT pod", From: "legacy", To: "secure", Kind: TCPEcho, WantRoute: RouteStrict, WantOutcome: OutcomeDenied},
+		{Name: "plaintext to STRICT pod", From: "legacy", To: "secure", Kind: TCPEcho, WantRoute: RoutePlaintext, WantOutcome: OutcomeDenied},
+		{Name: "denied by policy", From: "web", To: "banner", Kind: ServerFirst, WantRoute: RouteHBONE, WantOutcome: OutcomeDenied},
 	}
 }
 
