@@ -29,7 +29,7 @@ demo: build
 
 bench: build
 	$(GO) test -run '^$$' -bench . -benchmem ./stack/classify
-	$(GO) test -run '^$$' -bench . -benchtime 3x ./test/e2e
+	$(GO) test -run '^$$' -bench Paths -benchtime 2s ./test/e2e
 
 clean:
 	rm -rf bin
