@@ -2,9 +2,16 @@ module github.com/meshtun/meshtun/test/interop
 
 go 1.26.8
 
-require github.com/meshtun/meshtun v0.0.0-00010101000000-000000000000
+require (
+	github.com/meshtun/meshtun v0.0.0-00010101000000-000000000000
+	go.opentelemetry.io/otel v1.43.0
+	go.opentelemetry.io/otel/trace v1.43.0
+)
 
-require github.com/inconshreveable/mousetrap v1.1.0 // indirect
+require (
+	github.com/cespare/xxhash/v2 v2.3.0 // indirect
+	github.com/inconshreveable/mousetrap v1.1.0 // indirect
+)
 
 require (
 	github.com/cbeuw/connutil v1.0.1 // indirect
@@ -19,7 +26,7 @@ require (
 	github.com/spiffe/go-spiffe/v2 v2.9.0
 	go.uber.org/multierr v1.11.0 // indirect
 	go.uber.org/zap v1.28.0 // indirect
-	golang.org/x/net v0.62.0 // indirect
+	golang.org/x/net v0.62.0
 	golang.org/x/sys v0.50.0 // indirect
 	golang.org/x/text v0.43.0 // indirect
 	google.golang.org/genproto/googleapis/api v0.0.0-20260427160629-7cedc36a6bc4 // indirect
