@@ -19,6 +19,7 @@ vet:
 test: vet build
 	$(GO) test -count=1 -timeout 30m $(PKGS)
 	$(GO) test -run '^$$' -fuzz FuzzClassify -fuzztime 20s ./stack/classify
+	cd test/interop && $(GO) vet ./... && $(GO) test -count=1 -timeout 10m ./...
 
 # demo builds meshtun and runs `meshtun demo`: a two-node cluster in
 # network namespaces, real traffic through it and how each flow travelled.
