@@ -135,8 +135,24 @@ func (st *Stack) Close() {
 	st.s.Destroy()
 }
 
-// Stats returns the stack's counters.
-func (st *Stack) Stats() *Stats { return &st.stats }
+// Counters is a snapshot of a Stack's counters.
+type Counters struct {
+	Drops               uint64 // packets the classifier dropped
+	VerbatimWriteErrors uint64 // verbatim packets the TUN refused
+	TCPRetransmits      uint64 // segments the netstack's TCP retransmitted
+	ForwarderDrops      uint64 // SYNs dropped: too many connections pending
+}
+
+// Stats returns a snapshot of the stack's counters.
+func (st *Stack) Stats() Counters {
+	tcp := st.s.Stats().TCP
+	return Counters{
+		Drops:               st.stats.Drops.Load(),
+		VerbatimWriteErrors: st.stats.VerbatimWriteErrors.Load(),
+		TCPRetransmits:      tcp.Retransmits.Value(),
+		ForwarderDrops:      tcp.ForwardMaxInFlightDrop.Value(),
+	}
+}
 
 // DialTCP opens a TCP connection from src to dst through the netstack: the
 // packets leave through the TUN with src as their source address, whether

@@ -82,5 +82,8 @@ func newLogger(level string) (zerolog.Logger, error) {
 	} else {
 		log = zerolog.New(os.Stderr)
 	}
-	return log.Level(lvl).With().Timestamp().Logger(), nil
+	// The level is zerolog's global one, so that the admin endpoint
+	// (/logging) can change it while the node runs.
+	zerolog.SetGlobalLevel(lvl)
+	return log.With().Timestamp().Logger(), nil
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"time"
 
 	"github.com/meshtun/meshtun/mesh/config"
 	"github.com/meshtun/meshtun/mesh/identity"
@@ -17,10 +18,12 @@ func runNode(ctx context.Context, args []string) error {
 	var (
 		path, name, logLevel string
 		noIntercept          bool
+		drain                time.Duration
 	)
 	fs.StringVar(&path, "config", "/etc/meshtun/mesh.yaml", "the mesh config `file` (see docs/config.md)")
 	fs.StringVar(&name, "node", "", "this node's `name` in the config file (required)")
 	fs.BoolVar(&noIntercept, "no-intercept", false, "intercept nothing: every packet goes through the TUN verbatim (for measuring the TUN path alone)")
+	fs.DurationVar(&drain, "drain-period", node.DefaultDrainPeriod, "on SIGTERM, how long open connections may take to finish")
 	fs.StringVar(&logLevel, "log-level", "info", "log `level`: trace, debug, info, warn, error")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -51,16 +54,18 @@ func runNode(ctx context.Context, args []string) error {
 		return err
 	}
 	err = node.Run(ctx, node.Config{
-		Name:         nc.Name,
-		TUN:          tun.Config{Name: nc.TUN.Name, MTU: nc.TUN.MTU, TxQueueLen: nc.TUN.TxQueueLen},
-		CaptureLinks: nc.CaptureLinks,
-		Uplinks:      nc.Uplinks,
-		Mesh:         mesh,
-		CA:           identity.CAConfig{Dir: c.CA.Dir, SVIDTTL: c.CA.SVIDTTL},
-		ConfigPath:   c.Path,
-		NoIntercept:  noIntercept,
-		AdminAddr:    nc.Listen.Admin,
-		Logger:       log,
+		Name:          nc.Name,
+		TUN:           tun.Config{Name: nc.TUN.Name, MTU: nc.TUN.MTU, TxQueueLen: nc.TUN.TxQueueLen},
+		CaptureLinks:  nc.CaptureLinks,
+		Mesh:          mesh,
+		CA:            identity.CAConfig{Dir: c.CA.Dir, SVIDTTL: c.CA.SVIDTTL},
+		ConfigPath:    c.Path,
+		NoIntercept:   noIntercept,
+		AdminAddr:     nc.Listen.Admin,
+		MetricsAddr:   nc.Listen.Metrics,
+		ReadinessAddr: nc.Listen.Readiness,
+		DrainPeriod:   drain,
+		Logger:        log,
 	})
 	if errors.Is(err, context.Canceled) {
 		return nil

@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"sync/atomic"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -16,6 +17,7 @@ import (
 
 	"github.com/meshtun/meshtun/mesh/config"
 	"github.com/meshtun/meshtun/mesh/identity"
+	"github.com/meshtun/meshtun/mesh/metrics"
 	"github.com/meshtun/meshtun/mesh/proxy"
 	"github.com/meshtun/meshtun/mesh/registry"
 	"github.com/meshtun/meshtun/protocols/hbone"
@@ -31,8 +33,6 @@ type Config struct {
 	TUN  tun.Config
 	// CaptureLinks are the node-side links of the captured pods.
 	CaptureLinks []string
-	// Uplinks are the node's links towards other nodes.
-	Uplinks []string
 	// Mesh is the initial model of the mesh.
 	Mesh *registry.Snapshot
 	// CA is the built-in certificate authority that issues the local
@@ -45,10 +45,16 @@ type Config struct {
 	// NoIntercept leaves every packet verbatim: the TUN is in the path but
 	// no flow is proxied. For measuring the TUN path alone.
 	NoIntercept bool
-	// AdminAddr is where the admin HTTP server listens (pprof under
-	// /debug/pprof/); empty disables it. Keep it on loopback.
+	// AdminAddr is where the admin HTTP server listens (/config_dump,
+	// /logging, /debug/pprof/); empty disables it. Keep it on loopback.
 	AdminAddr string
-	Logger    zerolog.Logger
+	// MetricsAddr serves /metrics (Prometheus); ReadinessAddr serves
+	// /healthz/ready. Empty disables them.
+	MetricsAddr, ReadinessAddr string
+	// DrainPeriod is how long open connections may take to finish after
+	// the node is told to stop; DefaultDrainPeriod if zero.
+	DrainPeriod time.Duration
+	Logger      zerolog.Logger
 }
 
 // ReadyMessage is the log message Run writes once traffic is captured.
@@ -65,8 +71,13 @@ func localWorkloads(s *registry.Snapshot, name string) []*registry.Workload {
 	return out
 }
 
-// Run runs the node proxy until ctx is done, then removes everything it
-// installed. It returns ctx's error after a clean shutdown.
+// DefaultDrainPeriod is how long a stopping node lets open connections
+// finish when Config.DrainPeriod is zero.
+const DefaultDrainPeriod = 30 * time.Second
+
+// Run runs the node proxy until ctx is done, then drains it (new
+// connections are refused, open ones get up to DrainPeriod to finish),
+// removes everything it installed, and returns ctx's error.
 func Run(ctx context.Context, cfg Config) (err error) {
 	log := cfg.Logger
 	if cfg.Mesh == nil {
@@ -76,9 +87,24 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	if len(locals) == 0 {
 		return fmt.Errorf("node %q: no mesh workloads on this node", cfg.Name)
 	}
-	reg := registry.New(cfg.Mesh)
+	if cfg.DrainPeriod == 0 {
+		cfg.DrainPeriod = DefaultDrainPeriod
+	}
+	// Connections live in runCtx, which ends only after the drain: the
+	// signal that stops the node must not cut them.
+	runCtx, stopRun := context.WithCancel(context.WithoutCancel(ctx))
+	defer stopRun()
+	n := &node{cfg: cfg, log: log, reg: registry.New(cfg.Mesh), metrics: metrics.New()}
 
-	// Identities first: nothing is captured before the local workloads
+	// HTTP endpoints first, so that readiness reports "not ready" while
+	// the rest starts.
+	stopHTTP, err := n.serveHTTP(runCtx)
+	if err != nil {
+		return err
+	}
+	defer stopHTTP()
+
+	// Identities next: nothing is captured before the local workloads
 	// have their certificates.
 	cfg.CA.TrustDomain = cfg.Mesh.TrustDomain
 	cfg.CA.Logger = log
@@ -86,29 +112,29 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	if err != nil {
 		return err
 	}
-	svids, err := identity.NewSource(identity.SourceConfig{
+	n.svids, err = identity.NewSource(identity.SourceConfig{
 		Issuer: ca, Bundle: ca.Bundle(), TrustDomain: cfg.Mesh.TrustDomain, Logger: log,
 	})
 	if err != nil {
 		return err
 	}
-	defer svids.Close()
+	defer n.svids.Close()
 	for _, w := range locals {
-		if err := svids.Add(ctx, w.Identity); err != nil {
+		if err := n.svids.Add(ctx, w.Identity); err != nil {
 			return fmt.Errorf("node: certificate for %s: %w", w, err)
 		}
 	}
 
-	hc, err := hbone.NewClient(hbone.ClientConfig{
+	n.hc, err = hbone.NewClient(hbone.ClientConfig{
 		TLS: func(src, dst spiffeid.ID) (*tls.Config, error) {
-			return identity.ClientTLS(svids.Workload(src), dst), nil
+			return identity.ClientTLS(n.svids.Workload(src), dst), nil
 		},
 		Logger: log,
 	})
 	if err != nil {
 		return err
 	}
-	defer hc.Close()
+	defer n.hc.Close()
 
 	dev, err := tun.Open(cfg.TUN)
 	if err != nil {
@@ -122,10 +148,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	// Teardown runs in reverse: routing first, so traffic flows directly
 	// again at once; then the device, which ends the stack's reader; then
 	// the stack and the sysctls.
-	var (
-		st     *stack.Stack
-		routes *tun.Routing
-	)
+	var routes *tun.Routing
 	defer func() {
 		if routes != nil {
 			if rerr := routes.Close(); rerr != nil {
@@ -135,52 +158,56 @@ func Run(ctx context.Context, cfg Config) (err error) {
 		if cerr := dev.Close(); cerr != nil {
 			log.Warn().Err(cerr).Msg("close TUN")
 		}
-		if st != nil {
-			st.Close()
+		if n.st != nil {
+			n.st.Close()
 		}
 		if rerr := sys.Restore(); rerr != nil {
 			log.Error().Err(rerr).Msg("restore sysctls")
 		}
 	}()
 
-	var policy classify.Policy = capturePolicy(reg, cfg.Name)
+	var policy classify.Policy = capturePolicy(n.reg, cfg.Name)
 	if cfg.NoIntercept {
 		policy = nil
 	}
-	cls := classify.New(classify.Config{Policy: policy})
-	sweepCtx, stopSweep := context.WithCancel(ctx)
-	defer stopSweep()
-	go cls.Run(sweepCtx, 5*time.Second)
+	n.cls = classify.New(classify.Config{Policy: policy})
+	go n.cls.Run(runCtx, 5*time.Second)
 
-	px, err := proxy.New(ctx, proxy.Config{Node: cfg.Name, Registry: reg, HBONE: hc, Logger: log})
+	n.px, err = proxy.New(runCtx, proxy.Config{
+		Node: cfg.Name, Registry: n.reg, HBONE: n.hc, Metrics: n.metrics,
+		Logger: log, AccessLog: log.With().Str("log", "access").Logger(),
+	})
 	if err != nil {
 		return err
 	}
-	hs, err := hbone.NewServer(hbone.ServerConfig{
-		TLS: identity.ServerTLS(svids, cfg.Mesh.TrustDomain, func(local netip.Addr) (spiffeid.ID, bool) {
-			w := reg.Load().Workload(local)
+	n.hs, err = hbone.NewServer(hbone.ServerConfig{
+		TLS: identity.ServerTLS(n.svids, cfg.Mesh.TrustDomain, func(local netip.Addr) (spiffeid.ID, bool) {
+			w := n.reg.Load().Workload(local)
 			if w == nil || !w.InMesh || w.Node != cfg.Name {
 				return spiffeid.ID{}, false
 			}
 			return w.Identity, true
 		}),
-		Handler: px.InboundHandler(),
+		Handler: n.px.InboundHandler(),
 		Logger:  log,
 	})
 	if err != nil {
 		return err
 	}
-	px.SetServer(hs)
-	st, err = stack.New(stack.Config{
+	n.px.SetServer(n.hs)
+	n.st, err = stack.New(stack.Config{
 		Device:     dev,
-		Classifier: cls,
-		HandleTCP:  px.HandleTCP,
+		Classifier: n.cls,
+		HandleTCP:  n.px.HandleTCP,
 		Logger:     log,
 	})
 	if err != nil {
 		return err
 	}
-	px.SetDialer(st)
+	n.px.SetDialer(n.st)
+	if err := n.metrics.Register(metrics.DataPlane(n.dataPlaneStats)); err != nil {
+		return fmt.Errorf("node: metrics: %w", err)
+	}
 
 	var pods []netip.Prefix
 	for _, w := range locals {
@@ -196,25 +223,70 @@ func Run(ctx context.Context, cfg Config) (err error) {
 		return err
 	}
 
-	if cfg.AdminAddr != "" {
-		stopAdmin, err := serveAdmin(ctx, cfg.AdminAddr, log)
-		if err != nil {
-			return err
-		}
-		defer stopAdmin()
-	}
-
 	if cfg.ConfigPath != "" {
-		go watchConfig(ctx, cfg.ConfigPath, reg, px, log)
+		go watchConfig(runCtx, cfg.ConfigPath, n, log)
 	}
 
+	n.ready.Store(true)
 	log.Info().Str("node", cfg.Name).Str("tun", dev.Name()).Int("mtu", dev.MTU()).
-		Strs("capture_links", cfg.CaptureLinks).Strs("uplinks", cfg.Uplinks).
+		Strs("capture_links", cfg.CaptureLinks).
 		Int("workloads", len(locals)).Str("trust_domain", cfg.Mesh.TrustDomain.String()).
 		Msg(ReadyMessage)
 	<-ctx.Done()
-	log.Info().Msg("shutting down")
+
+	// Drain: not ready, GOAWAY to HBONE clients, new connections refused,
+	// open ones given DrainPeriod to finish.
+	n.ready.Store(false)
+	log.Info().Int("open", n.px.Open()).Dur("drain_period", cfg.DrainPeriod).Msg("draining")
+	dctx, cancel := context.WithTimeout(runCtx, cfg.DrainPeriod)
+	n.hs.Drain(dctx)
+	reset := n.px.Drain(dctx)
+	cancel()
+	log.Info().Int("reset", reset).Msg("drained; shutting down")
 	return ctx.Err()
+}
+
+// node is a running node proxy's state, shared by its HTTP endpoints and
+// the config watcher.
+type node struct {
+	cfg     Config
+	log     zerolog.Logger
+	reg     *registry.Registry
+	metrics *metrics.Metrics
+	svids   *identity.Source
+	hc      *hbone.Client
+	hs      *hbone.Server
+	cls     *classify.Classifier
+	st      *stack.Stack
+	px      *proxy.Proxy
+	ready   atomic.Bool
+}
+
+// dataPlaneStats reads the packet path's counters for a scrape.
+func (n *node) dataPlaneStats() metrics.DataPlaneStats {
+	cs := n.cls.Stats()
+	ss := n.st.Stats()
+	ps := n.hc.Stats()
+	d := metrics.DataPlaneStats{
+		Intercepted: cs.Intercepted, Verbatim: cs.Verbatim, Outbound: cs.Outbound,
+		Flows: cs.Flows, FlowsInserted: cs.FlowsInserted, FlowsExpired: cs.FlowsExpired,
+		TCPRetransmits: ss.TCPRetransmits, ForwarderDrops: ss.ForwarderDrops,
+		VerbatimWriteErrors: ss.VerbatimWriteErrors,
+		HBONEConns:          ps.Conns, HBONEStreams: ps.Streams, HBONEServerConns: n.hs.OpenConns(),
+		Drops:      map[string]uint64{},
+		CertExpiry: map[string]time.Time{},
+	}
+	for r, v := range cs.DropsByReason {
+		if v > 0 {
+			d.Drops[classify.DropReason(r).String()] = v
+		}
+	}
+	for _, id := range n.svids.IDs() {
+		if t, ok := n.svids.Expiry(id); ok {
+			d.CertExpiry[id.String()] = t
+		}
+	}
+	return d
 }
 
 // capturePolicy selects the SYNs the netstack takes: connections opened by
@@ -243,7 +315,7 @@ func capturePolicy(reg *registry.Registry, node string) classify.Policy {
 // watchConfig replaces the mesh model whenever the config file changes to
 // a valid one, and has the proxy re-authorize its open connections. An
 // invalid file keeps the last good model.
-func watchConfig(ctx context.Context, path string, reg *registry.Registry, px *proxy.Proxy, log zerolog.Logger) {
+func watchConfig(ctx context.Context, path string, n *node, log zerolog.Logger) {
 	first := true
 	err := config.Watch(ctx, path, func(c *config.Config) {
 		if first { // Watch delivers the current file once it watches
@@ -258,8 +330,13 @@ func watchConfig(ctx context.Context, path string, reg *registry.Registry, px *p
 		for _, w := range c.Warnings {
 			log.Warn().Str("config", path).Msg(w)
 		}
-		reg.Store(snap)
-		closed := px.Reauthorize()
+		for _, w := range localWorkloads(snap, n.cfg.Name) {
+			if err := n.svids.Add(ctx, w.Identity); err != nil {
+				log.Error().Err(err).Str("workload", w.String()).Msg("certificate for a new local workload")
+			}
+		}
+		n.reg.Store(snap)
+		closed := n.px.Reauthorize()
 		log.Info().Str("config", path).Int("workloads", len(snap.Workloads)).Int("services", len(snap.Services)).
 			Int("policies", len(snap.Policies)).Int("connections_closed", closed).Msg("config reloaded")
 	}, func(err error) {

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"context"
 	"net/netip"
 	"sync"
 
@@ -16,23 +17,35 @@ type deniedError struct{ d policy.Decision }
 
 func (e *deniedError) Error() string { return e.d.String() }
 
+// authorized is a connection the destination's policies allowed.
+type authorized struct{ req policy.Request }
+
+// request returns the authorized request; the zero Request for nil.
+func (a *authorized) request() policy.Request {
+	if a == nil {
+		return policy.Request{}
+	}
+	return a.req
+}
+
 // authorize applies the destination's authorization policies (and its
 // peer-authentication mode) to a connection from peer (zero if
 // unauthenticated) at src to dst, the workload's address and target port.
-// It returns the request, to be re-evaluated on policy changes.
-func (p *Proxy) authorize(snap *registry.Snapshot, peer spiffeid.ID, src netip.Addr, dst netip.AddrPort) (policy.Request, error) {
+// The result is re-evaluated on policy changes.
+func (p *Proxy) authorize(snap *registry.Snapshot, peer spiffeid.ID, src netip.Addr, dst netip.AddrPort) (*authorized, error) {
 	r := policy.Request{Peer: peer, Source: src, Dest: dst}
 	if d := snap.Authorize(&r); !d.Allowed {
-		return r, &deniedError{d}
+		return nil, &deniedError{d}
 	}
-	return r, nil
+	return &authorized{req: r}, nil
 }
 
-// tracker holds the authorized connections that are open, so that a policy
-// change can close those it no longer allows.
+// tracker holds open connections, so that a policy change can close
+// those it no longer allows, and a drain can wait for them.
 type tracker struct {
-	mu    sync.Mutex
-	conns map[*tracked]struct{}
+	mu      sync.Mutex
+	conns   map[*tracked]struct{}
+	removed chan struct{} // closed and replaced on every remove
 }
 
 type tracked struct {
@@ -54,7 +67,36 @@ func (t *tracker) add(req policy.Request, abort func()) *tracked {
 func (t *tracker) remove(c *tracked) {
 	t.mu.Lock()
 	delete(t.conns, c)
+	if t.removed != nil {
+		close(t.removed)
+		t.removed = nil
+	}
 	t.mu.Unlock()
+}
+
+// len returns the number of open connections and a channel closed at the
+// next remove.
+func (t *tracker) len() (int, <-chan struct{}) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.removed == nil {
+		t.removed = make(chan struct{})
+	}
+	return len(t.conns), t.removed
+}
+
+// abortAll resets every open connection and returns how many.
+func (t *tracker) abortAll() int {
+	t.mu.Lock()
+	var all []*tracked
+	for c := range t.conns {
+		all = append(all, c)
+	}
+	t.mu.Unlock()
+	for _, c := range all {
+		c.abort()
+	}
+	return len(all)
 }
 
 // Reauthorize evaluates every open connection this node authorized
@@ -77,4 +119,28 @@ func (p *Proxy) Reauthorize() int {
 		c.abort()
 	}
 	return len(denied)
+}
+
+// Drain makes the proxy refuse new connections (a reset, or 503 over
+// HBONE) and waits for the open ones to finish. When ctx ends first it
+// resets those still open. It returns how many it had to reset.
+func (p *Proxy) Drain(ctx context.Context) int {
+	p.draining.Store(true)
+	for {
+		n, removed := p.active.len()
+		if n == 0 {
+			return 0
+		}
+		select {
+		case <-removed:
+		case <-ctx.Done():
+			return p.active.abortAll()
+		}
+	}
+}
+
+// Open returns the number of connections the proxy relays now.
+func (p *Proxy) Open() int {
+	n, _ := p.active.len()
+	return n
 }

@@ -8,9 +8,7 @@ import (
 	"net/netip"
 	"sync/atomic"
 	"syscall"
-	"time"
 
-	"github.com/rs/zerolog"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 
 	"github.com/meshtun/meshtun/mesh/registry"
@@ -18,13 +16,16 @@ import (
 	"github.com/meshtun/meshtun/stack"
 )
 
+var errNotReady = errors.New("netstack not ready")
+
 // inbound terminates an HBONE connection to a local workload's port 15008:
 // the handshake completes at once (TLS needs it) and the HBONE server takes
-// over; its Handler is Connect.
+// over; its Handler is connect.
 func (p *Proxy) inbound(req *stack.TCPRequest, dst *registry.Workload) {
 	c, err := req.Accept()
 	if err != nil {
-		p.access(req, nil, dst, "inbound", "hbone").Err(err).Msg("HBONE handshake failed")
+		p.log.Debug().Err(err).Str("src.addr", req.Src.String()).Str("dst.addr", req.Dst.String()).
+			Msg("HBONE connection: handshake failed")
 		return
 	}
 	p.server.Load().ServeConn(p.ctx, c)
@@ -36,75 +37,50 @@ func (p *Proxy) InboundHandler() hbone.Handler { return hbone.HandlerFunc(p.conn
 
 // connect decides one inbound HBONE request and connects its upstream.
 func (p *Proxy) connect(ctx context.Context, r *hbone.Request) (net.Conn, error) {
-	start := time.Now()
 	snap := p.cfg.Registry.Load()
 	dst := snap.Workload(r.Target.Addr())
 	srcAddr, src := p.inboundSource(snap, r)
-	ev := func() *zerolog.Event {
-		ev := p.log.Info().Str("src.addr", srcAddr.String()).Str("dst.addr", r.Target.String()).
-			Str("dst.hbone_addr", r.LocalAddr.String()).Str("direction", "inbound").Str("route", "hbone").
-			Str("src.identity", r.Peer.String())
-		workloadFields(ev, "src", src)
-		workloadFields(ev, "dst", dst)
-		if r.Forwarded.Host != "" {
-			ev.Str("dst.service", r.Forwarded.Host)
-		}
-		return ev
-	}
-	fail := func(kind error, format string, args ...any) (net.Conn, error) {
-		err := fmt.Errorf("%w: %s", kind, fmt.Sprintf(format, args...))
-		ev().Str("error", err.Error()).Msg("connection refused")
+	rec := p.newRecord(srcAddr, r.Target, src, dst, "inbound", "hbone")
+	rec.srcID, rec.hboneAddr, rec.service = r.Peer.String(), r.LocalAddr.String(), r.Forwarded.Host
+	fail := func(kind error, err error) (net.Conn, error) {
+		err = fmt.Errorf("%w: %w", kind, err)
+		rec.refused(err)
 		return nil, err
 	}
+	if p.draining.Load() {
+		return fail(hbone.ErrUnreachable, errDraining)
+	}
 	if dst == nil || !dst.InMesh || dst.Node != p.cfg.Node {
-		return fail(hbone.ErrBadRequest, "target %s is not a mesh workload on this node", r.Target)
+		return fail(hbone.ErrBadRequest, fmt.Errorf("target %s is not a mesh workload on this node", r.Target))
 	}
 	if snap.Workload(r.LocalAddr.Addr()) != dst {
-		return fail(hbone.ErrBadRequest, "target %s is not served by HBONE endpoint %s", r.Target, r.LocalAddr)
+		return fail(hbone.ErrBadRequest, fmt.Errorf("target %s is not served by HBONE endpoint %s", r.Target, r.LocalAddr))
 	}
-	areq, err := p.authorize(snap, r.Peer, srcAddr.Addr(), r.Target)
+	az, err := p.authorize(snap, r.Peer, srcAddr.Addr(), r.Target)
 	if err != nil {
-		return fail(hbone.ErrDenied, "%v", err)
+		return fail(hbone.ErrDenied, err)
 	}
 	ns := p.netstack()
 	if ns == nil {
-		return fail(hbone.ErrUnreachable, "netstack not ready")
+		return fail(hbone.ErrUnreachable, errNotReady)
 	}
 	up, err := ns.DialTCP(ctx, srcAddr, r.Target)
 	if err != nil && srcAddr.Port() != 0 && errors.Is(err, syscall.EADDRINUSE) {
 		up, err = ns.DialTCP(ctx, netip.AddrPortFrom(srcAddr.Addr(), 0), r.Target)
 	}
 	if err != nil {
-		return fail(hbone.ErrUnreachable, "connect %s from %s: %v", r.Target, srcAddr, err)
+		return fail(hbone.ErrUnreachable, err)
 	}
+	rec.opened()
 	cc := &countedConn{Conn: up}
-	t := p.open.add(areq, func() { cc.Abort() })
+	t := p.open.add(az.req, func() { cc.Abort() })
+	a := p.active.add(az.req, func() { cc.Abort() })
 	cc.done = func(sent, recv int64, reset bool) {
 		p.open.remove(t)
-		e := ev()
-		if reset {
-			e = e.Str("error", "connection reset")
-		}
-		e.Int64("bytes_sent", sent).Int64("bytes_recv", recv).Dur("duration", time.Since(start)).
-			Msg("connection complete")
+		p.active.remove(a)
+		rec.done(sent, recv, reset)
 	}
 	return cc, nil
-}
-
-// inboundPlain handles a plaintext connection from outside the mesh to a
-// local workload that STRICT mode or an authorization policy protects:
-// authorized without an identity (STRICT always refuses), then delivered
-// from the client's address.
-func (p *Proxy) inboundPlain(snap *registry.Snapshot, req *stack.TCPRequest, src, dst *registry.Workload) {
-	start := time.Now()
-	ev := func() *zerolog.Event { return p.access(req, src, dst, "inbound", "plaintext") }
-	areq, err := p.authorize(snap, spiffeid.ID{}, req.Src.Addr(), req.Dst)
-	if err != nil {
-		req.Reject()
-		ev().Str("error", connectError(err)).Msg("connection refused")
-		return
-	}
-	p.deliver(req, areq, req.Dst, ev, start)
 }
 
 // inboundSource returns the address the upstream connection is made from:
@@ -121,6 +97,21 @@ func (p *Proxy) inboundSource(snap *registry.Snapshot, r *hbone.Request) (netip.
 			Msg("forwarded address does not belong to the peer's identity; using the tunnel's address")
 	}
 	return netip.AddrPortFrom(r.PeerAddr.Addr(), 0), snap.Workload(r.PeerAddr.Addr())
+}
+
+// inboundPlain handles a plaintext connection from outside the mesh to a
+// local workload that STRICT mode or an authorization policy protects:
+// authorized without an identity (STRICT always refuses), then delivered
+// from the client's address.
+func (p *Proxy) inboundPlain(snap *registry.Snapshot, req *stack.TCPRequest, src, dst *registry.Workload) {
+	rec := p.newRecord(req.Src, req.Dst, src, dst, "inbound", "plaintext")
+	az, err := p.authorize(snap, spiffeid.ID{}, req.Src.Addr(), req.Dst)
+	if err != nil {
+		req.Reject()
+		rec.refused(err)
+		return
+	}
+	p.deliver(req, rec, az, req.Dst)
 }
 
 // countedConn counts the bytes of an upstream connection the HBONE server
@@ -149,7 +140,8 @@ func (c *countedConn) Write(b []byte) (int, error) {
 	return n, err
 }
 
-// Abort resets the workload's connection (the client reset its stream).
+// Abort resets the workload's connection (the client reset its stream, or
+// a policy change or drain deadline closed it).
 func (c *countedConn) Abort() error {
 	c.reset.Store(true)
 	err := c.Conn.Abort()

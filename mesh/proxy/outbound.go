@@ -3,11 +3,7 @@ package proxy
 import (
 	"context"
 	"net/netip"
-	"time"
 
-	"github.com/rs/zerolog"
-
-	"github.com/meshtun/meshtun/mesh/policy"
 	"github.com/meshtun/meshtun/mesh/registry"
 	"github.com/meshtun/meshtun/protocols/hbone"
 	"github.com/meshtun/meshtun/stack"
@@ -17,78 +13,50 @@ import (
 // workload on another node through an HBONE stream. The client's handshake
 // completes only after the far end answered 200, i.e. after its upstream
 // connect succeeded; a refusal of any kind resets the client.
-func (p *Proxy) outbound(req *stack.TCPRequest, src, dst *registry.Workload, target netip.AddrPort, host string) {
-	start := time.Now()
+func (p *Proxy) outbound(req *stack.TCPRequest, rec *record, target netip.AddrPort) {
 	endpoint := netip.AddrPortFrom(target.Addr(), hbone.Port)
-	ev := func() *zerolog.Event {
-		return targetFields(p.access(req, src, dst, "outbound", "hbone").Str("dst.hbone_addr", endpoint.String()), req, target, host)
-	}
+	rec.hboneAddr = endpoint.String()
 	ctx, cancel := context.WithTimeout(p.ctx, p.cfg.ConnectTimeout)
 	up, err := p.cfg.HBONE.Dial(ctx, hbone.DialRequest{
-		Source:      src.Identity,
-		Destination: dst.Identity,
+		Source:      rec.srcW.Identity,
+		Destination: rec.dstW.Identity,
 		Endpoint:    endpoint,
 		Target:      target,
-		Forwarded:   hbone.Forwarded{For: req.Src, Host: host},
-		Baggage:     baggage(src),
+		Forwarded:   hbone.Forwarded{For: req.Src, Host: rec.service},
+		Baggage:     baggage(rec.srcW),
 	})
 	cancel()
 	if err != nil {
 		req.Reject()
-		ev().Str("error", connectError(err)).Err(err).Msg("connection refused")
+		rec.refused(err)
 		return
 	}
-	down, err := req.Accept()
-	if err != nil {
-		up.Abort()
-		ev().Err(err).Msg("client handshake failed")
-		return
-	}
-	res := relay(down, up)
-	p.done(ev(), res, start)
+	p.relayAccepted(rec, req, up, nil)
 }
 
 // sameNode carries a connection between two mesh workloads of this node.
 // It never leaves the proxy, so it needs no tunnel: the destination is
 // authorized against the source's identity exactly as an inbound HBONE
-// request would be, and then dialled through the netstack from the
-// source's address (a fresh port: the original 4-tuple is the client leg's
-// own).
-func (p *Proxy) sameNode(snap *registry.Snapshot, req *stack.TCPRequest, src, dst *registry.Workload, target netip.AddrPort, host string) {
-	start := time.Now()
-	ev := func() *zerolog.Event {
-		return targetFields(p.access(req, src, dst, "outbound", "local"), req, target, host)
-	}
-	areq, err := p.authorize(snap, src.Identity, req.Src.Addr(), target)
+// request would be, and then dialled through the netstack.
+func (p *Proxy) sameNode(snap *registry.Snapshot, req *stack.TCPRequest, rec *record, target netip.AddrPort) {
+	az, err := p.authorize(snap, rec.srcW.Identity, req.Src.Addr(), target)
 	if err != nil {
 		req.Reject()
-		ev().Str("error", connectError(err)).Msg("connection refused")
+		rec.refused(err)
 		return
 	}
-	p.deliver(req, areq, target, ev, start)
-}
-
-// targetFields adds the chosen endpoint and service to an access-log event
-// when the client connected to a service VIP.
-func targetFields(ev *zerolog.Event, req *stack.TCPRequest, target netip.AddrPort, host string) *zerolog.Event {
-	if target != req.Dst {
-		ev.Str("dst.target", target.String())
-	}
-	if host != "" {
-		ev.Str("dst.service", host)
-	}
-	return ev
+	p.deliver(req, rec, az, target)
 }
 
 // deliver connects an authorized connection to a local workload through
 // the netstack from the client's address (a fresh port: the original
 // 4-tuple is the client leg's own), completes the client's handshake and
-// relays, tracked for re-authorization.
-func (p *Proxy) deliver(req *stack.TCPRequest, areq policy.Request, target netip.AddrPort, ev func() *zerolog.Event, start time.Time) {
+// relays.
+func (p *Proxy) deliver(req *stack.TCPRequest, rec *record, az *authorized, target netip.AddrPort) {
 	ns := p.netstack()
 	if ns == nil {
 		req.Reject()
-		ev().Str("error", "netstack not ready").Msg("connection refused")
+		rec.refused(errNotReady)
 		return
 	}
 	ctx, cancel := context.WithTimeout(p.ctx, p.cfg.ConnectTimeout)
@@ -96,19 +64,10 @@ func (p *Proxy) deliver(req *stack.TCPRequest, areq policy.Request, target netip
 	cancel()
 	if err != nil {
 		req.Reject()
-		ev().Str("error", connectError(err)).Err(err).Msg("connection refused")
+		rec.refused(err)
 		return
 	}
-	down, err := req.Accept()
-	if err != nil {
-		up.Abort()
-		ev().Err(err).Msg("client handshake failed")
-		return
-	}
-	t := p.open.add(areq, func() { reset(down); reset(up) })
-	res := relay(down, up)
-	p.open.remove(t)
-	p.done(ev(), res, start)
+	p.relayAccepted(rec, req, up, az)
 }
 
 // baggage is the W3C baggage ztunnel sends about the source workload.

@@ -6,15 +6,17 @@
 //     destination's pod IP, port 15008, presenting the source's SVID;
 //   - outbound to a mesh workload on this node: handed over inside the
 //     proxy, never leaving it (authorized as if it had crossed HBONE);
+//   - to a service VIP: an endpoint is picked, then as above;
 //   - inbound HBONE to a local workload: TLS terminated, the peer's
-//     identity checked, and the stream delivered to the workload from the
-//     original client's address through the netstack;
-//   - plaintext to a STRICT workload: refused with a reset;
+//     identity checked, authorized, and the stream delivered to the
+//     workload from the original client's address through the netstack;
+//   - plaintext to a local workload that STRICT mode or a policy protects:
+//     authorized without an identity (refused under STRICT);
 //   - anything else: passthrough to the original destination over a
 //     kernel socket.
 //
-// Every finished connection is logged once, with ztunnel's access-log
-// fields.
+// Every finished or refused connection is logged once, with ztunnel's
+// access-log fields, and counted in Istio's TCP metrics.
 package proxy
 
 import (
@@ -28,6 +30,7 @@ import (
 
 	"github.com/rs/zerolog"
 
+	"github.com/meshtun/meshtun/mesh/metrics"
 	"github.com/meshtun/meshtun/mesh/registry"
 	"github.com/meshtun/meshtun/protocols/hbone"
 	"github.com/meshtun/meshtun/stack"
@@ -52,20 +55,27 @@ type Config struct {
 	Registry *registry.Registry
 	// HBONE opens outbound tunnels. Required for mesh traffic.
 	HBONE *hbone.Client
-	// Logger receives the access log (info) and diagnostics.
-	Logger         zerolog.Logger
-	ConnectTimeout time.Duration // 0: DefaultConnectTimeout
+	// Metrics receives Istio's TCP metrics; nil disables them.
+	Metrics *metrics.Metrics
+	// Logger receives diagnostics; AccessLog one line per connection (at
+	// info level: raise its level to turn the access log off).
+	Logger, AccessLog zerolog.Logger
+	ConnectTimeout    time.Duration // 0: DefaultConnectTimeout
 }
 
 // Proxy handles intercepted TCP connections.
 type Proxy struct {
-	cfg    Config
-	log    zerolog.Logger
-	dialer net.Dialer
-	ctx    context.Context
-	netstk atomic.Pointer[Dialer]
-	server atomic.Pointer[hbone.Server]
-	open   tracker // authorized connections, for Reauthorize
+	cfg      Config
+	log      zerolog.Logger
+	access   zerolog.Logger
+	dialer   net.Dialer
+	ctx      context.Context
+	netstk   atomic.Pointer[Dialer]
+	server   atomic.Pointer[hbone.Server]
+	draining atomic.Bool
+	quiet    atomic.Bool // access log off
+	open     tracker     // authorized connections, for Reauthorize
+	active   tracker     // every relayed connection, for Drain
 }
 
 // New returns a Proxy whose connections live until ctx is done.
@@ -79,6 +89,7 @@ func New(ctx context.Context, cfg Config) (*Proxy, error) {
 	return &Proxy{
 		cfg:    cfg,
 		log:    cfg.Logger,
+		access: cfg.AccessLog,
 		dialer: net.Dialer{Timeout: cfg.ConnectTimeout},
 		ctx:    ctx,
 	}, nil
@@ -91,6 +102,12 @@ func (p *Proxy) SetDialer(d Dialer) { p.netstk.Store(&d) }
 // SetServer gives the proxy the HBONE server that terminates inbound
 // tunnels; its Handler must be InboundHandler (hence set after New).
 func (p *Proxy) SetServer(s *hbone.Server) { p.server.Store(s) }
+
+// SetAccessLog turns the access log on or off.
+func (p *Proxy) SetAccessLog(on bool) { p.quiet.Store(!on) }
+
+// AccessLog reports whether the access log is on.
+func (p *Proxy) AccessLog() bool { return !p.quiet.Load() }
 
 func (p *Proxy) netstack() Dialer {
 	if d := p.netstk.Load(); d != nil {
@@ -106,6 +123,11 @@ func (p *Proxy) HandleTCP(req *stack.TCPRequest) {
 	src := snap.Workload(req.Src.Addr())
 	dst := snap.Workload(req.Dst.Addr())
 
+	if p.draining.Load() && !(p.local(dst) && req.Dst.Port() == hbone.Port) {
+		req.Reject()
+		p.newRecord(req.Src, req.Dst, src, dst, "outbound", "drain").refused(errDraining)
+		return
+	}
 	switch {
 	case p.local(dst) && req.Dst.Port() == hbone.Port && p.server.Load() != nil:
 		p.inbound(req, dst)
@@ -116,7 +138,7 @@ func (p *Proxy) HandleTCP(req *stack.TCPRequest) {
 		// mode or a policy protects (the others are not intercepted).
 		p.inboundPlain(snap, req, src, dst)
 	default:
-		p.passthrough(req, src, dst, req.Dst, "")
+		p.passthrough(p.newRecord(req.Src, req.Dst, src, dst, "outbound", "passthrough"), req, req.Dst)
 	}
 }
 
@@ -134,97 +156,68 @@ func (p *Proxy) outboundFrom(snap *registry.Snapshot, req *stack.TCPRequest, src
 		ep, ok := svc.Pick(req.Dst.Addr(), p.cfg.Node)
 		if !ok {
 			req.Reject()
-			p.access(req, src, nil, "outbound", "service").Str("dst.service", svc.Hostname).
-				Str("error", "no endpoint").Msg("connection refused")
+			p.newRecord(req.Src, req.Dst, src, nil, "outbound", "service").via(req.Dst, svc.Hostname).refused(errNoEndpoint)
 			return
 		}
 		target, host, dst = netip.AddrPortFrom(ep.Addr, port.Target()), svc.Hostname, ep.Workload
 	}
 	switch {
 	case dst != nil && dst.InMesh && p.cfg.HBONE != nil && dst.Node == p.cfg.Node:
-		p.sameNode(snap, req, src, dst, target, host)
+		p.sameNode(snap, req, p.newRecord(req.Src, req.Dst, src, dst, "outbound", "local").via(target, host), target)
 	case dst != nil && dst.InMesh && p.cfg.HBONE != nil:
-		p.outbound(req, src, dst, target, host)
+		p.outbound(req, p.newRecord(req.Src, req.Dst, src, dst, "outbound", "hbone").via(target, host), target)
 	default:
-		p.passthrough(req, src, dst, target, host)
+		p.passthrough(p.newRecord(req.Src, req.Dst, src, dst, "outbound", "passthrough").via(target, host), req, target)
 	}
 }
 
-// passthrough connects to the original destination with a kernel socket
-// first, and only then completes the client's handshake, so that a refused
-// or unreachable destination looks to the client as it would without
-// meshtun: a reset.
-func (p *Proxy) passthrough(req *stack.TCPRequest, src, dst *registry.Workload, target netip.AddrPort, host string) {
-	start := time.Now()
-	ev := func() *zerolog.Event {
-		ev := p.access(req, src, dst, "outbound", "passthrough")
-		if target != req.Dst {
-			ev.Str("dst.target", target.String())
-		}
-		if host != "" {
-			ev.Str("dst.service", host)
-		}
-		return ev
-	}
+// passthrough connects to the original destination (or the chosen service
+// endpoint) with a kernel socket first, and only then completes the
+// client's handshake, so that a refused or unreachable destination looks
+// to the client as it would without meshtun: a reset.
+func (p *Proxy) passthrough(rec *record, req *stack.TCPRequest, target netip.AddrPort) {
 	up, err := p.dialer.DialContext(p.ctx, "tcp", target.String())
 	if err != nil {
 		req.Reject()
-		ev().Str("error", connectError(err)).Err(err).Msg("connection refused")
+		rec.refused(err)
 		return
 	}
+	p.relayAccepted(rec, req, up, nil)
+}
+
+// relayAccepted completes the client's handshake, relays between it and
+// up until both are done, and reports the connection. authz, if not nil,
+// is re-evaluated on policy changes.
+func (p *Proxy) relayAccepted(rec *record, req *stack.TCPRequest, up net.Conn, authz *authorized) {
 	down, err := req.Accept()
 	if err != nil {
 		reset(up)
-		ev().Err(err).Msg("client handshake failed")
+		rec.refused(err)
 		return
 	}
+	rec.opened()
+	abort := func() { reset(down); reset(up) }
+	if authz != nil {
+		t := p.open.add(authz.req, abort)
+		defer p.open.remove(t)
+	}
+	a := p.active.add(authz.request(), abort)
 	res := relay(down, up)
-	p.done(ev(), res, start)
-}
-
-// access starts an access-log event with ztunnel's field names.
-func (p *Proxy) access(req *stack.TCPRequest, src, dst *registry.Workload, direction, route string) *zerolog.Event {
-	ev := p.log.Info().Str("src.addr", req.Src.String()).Str("dst.addr", req.Dst.String()).
-		Str("direction", direction).Str("route", route)
-	workloadFields(ev, "src", src)
-	workloadFields(ev, "dst", dst)
-	return ev
-}
-
-func workloadFields(ev *zerolog.Event, side string, w *registry.Workload) {
-	if w == nil {
-		return
-	}
-	ev.Str(side+".workload", w.Name).Str(side+".namespace", w.Namespace)
-	if w.InMesh {
-		ev.Str(side+".identity", w.Identity.String())
-	}
-}
-
-// done finishes an access-log event for a relayed connection. Bytes are
-// counted from the client's point of view: sent by it, received by it.
-func (p *Proxy) done(ev *zerolog.Event, res relayResult, start time.Time) {
-	if res.Reset {
-		ev = ev.Str("error", "connection reset")
-	}
-	ev.Int64("bytes_sent", res.AToB).Int64("bytes_recv", res.BToA).
-		Dur("duration", time.Since(start)).Msg("connection complete")
+	p.active.remove(a)
+	rec.done(res.AToB, res.BToA, res.Reset)
 }
 
 func connectError(err error) string {
+	var de *deniedError
 	switch {
+	case errors.As(err, &de):
+		return de.Error()
 	case errors.Is(err, syscall.ECONNREFUSED):
 		return "connection refused"
 	case errors.Is(err, syscall.EHOSTUNREACH), errors.Is(err, syscall.ENETUNREACH):
 		return "unreachable"
 	case errors.Is(err, context.DeadlineExceeded), errors.Is(err, syscall.ETIMEDOUT):
 		return "timeout"
-	case errors.Is(err, hbone.ErrDenied):
-		return "denied by policy"
-	}
-	var de *deniedError
-	if errors.As(err, &de) {
-		return de.Error()
 	}
 	return err.Error()
 }

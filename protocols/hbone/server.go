@@ -163,6 +163,11 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		MaxHeaderBytes: 64 << 10,
 		ErrorLog:       log.New(cfg.Logger.With().Str("component", "http2").Logger(), "", 0),
 	}
+	// Registering the HTTP/2 server with its base server is what lets
+	// Drain send GOAWAY on every connection ServeConn serves.
+	if err := http2.ConfigureServer(s.base, s.h2); err != nil {
+		return nil, fmt.Errorf("hbone: configure HTTP/2 server: %w", err)
+	}
 	return s, nil
 }
 
@@ -263,6 +268,12 @@ func addrPort(a net.Addr) (netip.AddrPort, bool) {
 		return netip.AddrPort{}, false
 	}
 	return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()), true
+}
+
+// Drain sends GOAWAY on every connection being served, so that clients
+// open no new streams on them; open streams go on. It returns at once.
+func (s *Server) Drain(ctx context.Context) error {
+	return s.base.Shutdown(ctx)
 }
 
 // OpenConns returns the number of connections being served.

@@ -1,0 +1,86 @@
+package metrics
+
+import (
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// DataPlaneStats is a snapshot of the packet path's counters, read at
+// scrape time.
+type DataPlaneStats struct {
+	Intercepted, Verbatim uint64            // packets from the TUN, by verdict
+	Drops                 map[string]uint64 // packets dropped, by reason
+	Outbound              uint64            // packets the netstack sent
+	Flows                 int               // flow-table entries
+	FlowsInserted         uint64
+	FlowsExpired          uint64
+
+	TCPRetransmits      uint64 // netstack TCP segments retransmitted
+	ForwarderDrops      uint64 // SYNs dropped: too many connections pending
+	VerbatimWriteErrors uint64 // verbatim packets the TUN refused
+
+	HBONEConns, HBONEStreams int // outbound pool
+	HBONEServerConns         int // inbound connections being served
+
+	// CertExpiry is the expiry of each local identity's certificate.
+	CertExpiry map[string]time.Time
+}
+
+// DataPlane collects DataPlaneStats from read at every scrape.
+func DataPlane(read func() DataPlaneStats) prometheus.Collector {
+	return &dataPlane{read: read}
+}
+
+type dataPlane struct{ read func() DataPlaneStats }
+
+var (
+	descPackets   = prometheus.NewDesc("meshtun_packets_total", "Packets read from the TUN, by the classifier's verdict.", []string{"verdict"}, nil)
+	descDrops     = prometheus.NewDesc("meshtun_classifier_drops_total", "Packets the classifier dropped, by reason.", []string{"reason"}, nil)
+	descOutbound  = prometheus.NewDesc("meshtun_netstack_packets_sent_total", "Packets the netstack wrote to the TUN.", nil, nil)
+	descFlows     = prometheus.NewDesc("meshtun_flows", "Entries in the classifier's flow table.", nil, nil)
+	descInserted  = prometheus.NewDesc("meshtun_flows_inserted_total", "Flows added to the flow table.", nil, nil)
+	descExpired   = prometheus.NewDesc("meshtun_flows_expired_total", "Flows removed from the flow table after their timeout.", nil, nil)
+	descRetrans   = prometheus.NewDesc("meshtun_netstack_tcp_retransmits_total", "TCP segments the netstack retransmitted.", nil, nil)
+	descFwdDrops  = prometheus.NewDesc("meshtun_netstack_forwarder_drops_total", "New connections dropped because too many were pending.", nil, nil)
+	descWriteErrs = prometheus.NewDesc("meshtun_verbatim_write_errors_total", "Verbatim packets the TUN refused.", nil, nil)
+	descPoolConns = prometheus.NewDesc("meshtun_hbone_pool_connections", "Outbound HBONE connections in the pool.", nil, nil)
+	descPoolStrms = prometheus.NewDesc("meshtun_hbone_pool_streams", "Outbound HBONE streams open.", nil, nil)
+	descSrvConns  = prometheus.NewDesc("meshtun_hbone_server_connections", "Inbound HBONE connections being served.", nil, nil)
+	descExpiry    = prometheus.NewDesc("meshtun_certificate_expiry_seconds", "Expiry of each local identity's certificate, in Unix seconds.", []string{"identity"}, nil)
+)
+
+func (d *dataPlane) Describe(ch chan<- *prometheus.Desc) {
+	for _, desc := range []*prometheus.Desc{descPackets, descDrops, descOutbound, descFlows, descInserted, descExpired,
+		descRetrans, descFwdDrops, descWriteErrs, descPoolConns, descPoolStrms, descSrvConns, descExpiry} {
+		ch <- desc
+	}
+}
+
+func (d *dataPlane) Collect(ch chan<- prometheus.Metric) {
+	s := d.read()
+	counter := func(desc *prometheus.Desc, v uint64, labels ...string) {
+		ch <- prometheus.MustNewConstMetric(desc, prometheus.CounterValue, float64(v), labels...)
+	}
+	gauge := func(desc *prometheus.Desc, v float64, labels ...string) {
+		ch <- prometheus.MustNewConstMetric(desc, prometheus.GaugeValue, v, labels...)
+	}
+	counter(descPackets, s.Intercepted, "intercept")
+	counter(descPackets, s.Verbatim, "verbatim")
+	for reason, n := range s.Drops {
+		counter(descDrops, n, reason)
+	}
+	counter(descOutbound, s.Outbound)
+	gauge(descFlows, float64(s.Flows))
+	counter(descInserted, s.FlowsInserted)
+	counter(descExpired, s.FlowsExpired)
+	counter(descRetrans, s.TCPRetransmits)
+	counter(descFwdDrops, s.ForwarderDrops)
+	counter(descWriteErrs, s.VerbatimWriteErrors)
+	gauge(descPoolConns, float64(s.HBONEConns))
+	gauge(descPoolStrms, float64(s.HBONEStreams))
+	gauge(descSrvConns, float64(s.HBONEServerConns))
+	for id, t := range s.CertExpiry {
+		gauge(descExpiry, float64(t.Unix()), id)
+	}
+}

@@ -1,0 +1,106 @@
+// Package metrics exposes what a node proxy does in Prometheus form: Istio's
+// standard TCP metrics, with their names and labels, so that existing Istio
+// dashboards read them, and meshtun's own data-plane metrics.
+//
+// The Istio counters are updated per connection (opened when the upstream
+// is connected or refused, bytes and closed when it ends). The data-plane
+// figures are read from their owners' counters only when scraped, so the
+// packet path pays nothing for them.
+package metrics
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+)
+
+// Labels of Istio's TCP metrics, in Istio's names.
+var connLabels = []string{
+	"reporter",
+	"source_workload", "source_workload_namespace", "source_principal",
+	"destination_workload", "destination_workload_namespace", "destination_principal",
+	"destination_service",
+	"connection_security_policy",
+	"response_flags",
+}
+
+// Conn identifies one connection for Istio's TCP metrics. Empty fields are
+// reported as "unknown", as Istio does.
+type Conn struct {
+	// Reporter is "source" (the client's node) or "destination".
+	Reporter                                string
+	SrcWorkload, SrcNamespace, SrcPrincipal string
+	DstWorkload, DstNamespace, DstPrincipal string
+	DstService                              string
+	// SecurityPolicy is "mutual_tls" for HBONE, "none" for plaintext.
+	SecurityPolicy string
+	// ResponseFlags is "-" for a connection that went through, "DENY" for
+	// one refused by policy, "CONNECT" for an upstream connect failure,
+	// "TLS_FAILURE" for a failed handshake.
+	ResponseFlags string
+}
+
+func (c *Conn) values() []string {
+	v := []string{c.Reporter, c.SrcWorkload, c.SrcNamespace, c.SrcPrincipal,
+		c.DstWorkload, c.DstNamespace, c.DstPrincipal, c.DstService, c.SecurityPolicy, c.ResponseFlags}
+	for i := range v {
+		if v[i] == "" {
+			v[i] = "unknown"
+		}
+	}
+	return v
+}
+
+// Metrics is a node's metric registry.
+type Metrics struct {
+	// Registry is what the /metrics handler serves.
+	Registry *prometheus.Registry
+
+	opened, closed, sent, received *prometheus.CounterVec
+}
+
+// New returns the metrics of a node, with Go runtime and process metrics
+// registered too.
+func New() *Metrics {
+	m := &Metrics{Registry: prometheus.NewRegistry()}
+	vec := func(name, help string) *prometheus.CounterVec {
+		v := prometheus.NewCounterVec(prometheus.CounterOpts{Name: name, Help: help}, connLabels)
+		m.Registry.MustRegister(v)
+		return v
+	}
+	m.opened = vec("istio_tcp_connections_opened_total", "TCP connections opened (Istio standard metric).")
+	m.closed = vec("istio_tcp_connections_closed_total", "TCP connections closed (Istio standard metric).")
+	m.sent = vec("istio_tcp_sent_bytes_total", "Bytes sent by the client, towards the destination (Istio standard metric).")
+	m.received = vec("istio_tcp_received_bytes_total", "Bytes received by the client, from the destination (Istio standard metric).")
+	m.Registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	return m
+}
+
+// Opened counts a connection as opened.
+func (m *Metrics) Opened(c *Conn) {
+	if m == nil {
+		return
+	}
+	m.opened.WithLabelValues(c.values()...).Inc()
+}
+
+// Closed counts a connection as closed with the bytes it moved: sent by
+// the client, and received by it.
+func (m *Metrics) Closed(c *Conn, sent, received int64) {
+	if m == nil {
+		return
+	}
+	v := c.values()
+	m.closed.WithLabelValues(v...).Inc()
+	m.sent.WithLabelValues(v...).Add(float64(sent))
+	m.received.WithLabelValues(v...).Add(float64(received))
+}
+
+// Refused counts a connection that was refused before it opened (policy,
+// connect failure): opened and closed at once, with no bytes.
+func (m *Metrics) Refused(c *Conn) {
+	m.Opened(c)
+	m.Closed(c, 0, 0)
+}
+
+// Register adds a collector (the data-plane figures) to the registry.
+func (m *Metrics) Register(c prometheus.Collector) error { return m.Registry.Register(c) }

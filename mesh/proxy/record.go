@@ -1,0 +1,170 @@
+package proxy
+
+import (
+	"errors"
+	"net/netip"
+	"time"
+
+	"github.com/rs/zerolog"
+
+	"github.com/meshtun/meshtun/mesh/metrics"
+	"github.com/meshtun/meshtun/mesh/registry"
+	"github.com/meshtun/meshtun/protocols/hbone"
+)
+
+// record is what a node reports about one connection: the access-log line
+// (with ztunnel's field names) and Istio's TCP metrics. Every path fills
+// one in and ends it with refused or done.
+type record struct {
+	p                 *Proxy
+	start             time.Time
+	src, dst          netip.AddrPort
+	srcW, dstW        *registry.Workload
+	srcID             string // verified or local source identity, "" if none
+	direction, route  string
+	hboneAddr, target string
+	service           string
+	secure            bool     // mutual TLS (HBONE) or in-proxy with identities
+	reporters         []string // "source" and/or "destination"
+}
+
+// newRecord starts the record of a connection from src to dst.
+func (p *Proxy) newRecord(src, dst netip.AddrPort, srcW, dstW *registry.Workload, direction, route string) *record {
+	r := &record{p: p, start: time.Now(), src: src, dst: dst, srcW: srcW, dstW: dstW, direction: direction, route: route}
+	if srcW != nil && srcW.InMesh && direction == "outbound" {
+		r.srcID = srcW.Identity.String()
+	}
+	switch route {
+	case "hbone":
+		r.secure = true
+		if direction == "outbound" {
+			r.reporters = []string{"source"}
+		} else {
+			r.reporters = []string{"destination"}
+		}
+	case "local":
+		// Both ends are this node's: it reports for both.
+		r.secure = true
+		r.reporters = []string{"source", "destination"}
+	case "plaintext":
+		r.reporters = []string{"destination"}
+	default:
+		r.reporters = []string{"source"}
+	}
+	return r
+}
+
+// via sets the endpoint chosen for a service VIP, and the service.
+func (r *record) via(target netip.AddrPort, service string) *record {
+	if target != r.dst {
+		r.target = target.String()
+	}
+	r.service = service
+	return r
+}
+
+func (r *record) event(ev *zerolog.Event) *zerolog.Event {
+	ev.Str("src.addr", r.src.String()).Str("dst.addr", r.dst.String()).
+		Str("direction", r.direction).Str("route", r.route)
+	workloadFields(ev, "src", r.srcW)
+	workloadFields(ev, "dst", r.dstW)
+	if r.srcID != "" {
+		ev.Str("src.identity", r.srcID)
+	}
+	if r.hboneAddr != "" {
+		ev.Str("dst.hbone_addr", r.hboneAddr)
+	}
+	if r.target != "" {
+		ev.Str("dst.target", r.target)
+	}
+	if r.service != "" {
+		ev.Str("dst.service", r.service)
+	}
+	return ev
+}
+
+func workloadFields(ev *zerolog.Event, side string, w *registry.Workload) {
+	if w == nil {
+		return
+	}
+	ev.Str(side+".workload", w.Name).Str(side+".namespace", w.Namespace)
+	if w.InMesh && side == "dst" {
+		ev.Str("dst.identity", w.Identity.String())
+	}
+}
+
+func (r *record) labels(reporter, flags string) metrics.Conn {
+	c := metrics.Conn{Reporter: reporter, SrcPrincipal: r.srcID, DstService: r.service, ResponseFlags: flags, SecurityPolicy: "none"}
+	if r.secure {
+		c.SecurityPolicy = "mutual_tls"
+	}
+	if w := r.srcW; w != nil {
+		c.SrcWorkload, c.SrcNamespace = w.Name, w.Namespace
+	}
+	if w := r.dstW; w != nil {
+		c.DstWorkload, c.DstNamespace = w.Name, w.Namespace
+		if w.InMesh {
+			c.DstPrincipal = w.Identity.String()
+		}
+	}
+	return c
+}
+
+// refused reports a connection refused before it opened.
+func (r *record) refused(err error) {
+	flags := responseFlags(err)
+	for _, rep := range r.reporters {
+		c := r.labels(rep, flags)
+		r.p.cfg.Metrics.Refused(&c)
+	}
+	if r.p.quiet.Load() {
+		return
+	}
+	r.event(r.p.access.Info()).Str("error", connectError(err)).Str("response_flags", flags).
+		Dur("duration", time.Since(r.start)).Msg("connection refused")
+}
+
+// opened counts the connection as open: its upstream is connected.
+func (r *record) opened() {
+	for _, rep := range r.reporters {
+		c := r.labels(rep, "-")
+		r.p.cfg.Metrics.Opened(&c)
+	}
+}
+
+// done reports a finished connection. Bytes are counted from the client's
+// point of view: sent by it, received by it.
+func (r *record) done(sent, recv int64, reset bool) {
+	for _, rep := range r.reporters {
+		c := r.labels(rep, "-")
+		r.p.cfg.Metrics.Closed(&c, sent, recv)
+	}
+	if r.p.quiet.Load() {
+		return
+	}
+	ev := r.event(r.p.access.Info())
+	if reset {
+		ev.Str("error", "connection reset")
+	}
+	ev.Int64("bytes_sent", sent).Int64("bytes_recv", recv).
+		Dur("duration", time.Since(r.start)).Msg("connection complete")
+}
+
+// responseFlags maps a refusal to Istio's response flag.
+func responseFlags(err error) string {
+	var de *deniedError
+	switch {
+	case errors.As(err, &de), errors.Is(err, hbone.ErrDenied):
+		return "DENY"
+	case errors.Is(err, errNoEndpoint):
+		return "UH"
+	case errors.Is(err, errDraining):
+		return "DRAIN"
+	}
+	return "CONNECT"
+}
+
+var (
+	errNoEndpoint = errors.New("no healthy endpoint for the service")
+	errDraining   = errors.New("node proxy is draining: no new connections")
+)
