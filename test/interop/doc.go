@@ -33,6 +33,11 @@
 //     :scheme or :path). Its HTTP/2 settings are x/net's defaults: frames
 //     up to 16 KiB and a 1 GiB connection window, where meshtun advertises
 //     ztunnel's 1 MiB and 16 MiB (stream window 4 MiB on both).
+//   - Neither end carries a reset. Its server half-closes the upstream
+//     when the client resets the stream (RST_STREAM), and ends the stream
+//     normally when the upstream resets (TCP RST); its dialer gives its
+//     application an orderly EOF when the server resets the stream.
+//     meshtun maps RST_STREAM and TCP RST onto each other.
 //   - Its dialer returns one end of a net.Pipe: the application cannot
 //     half-close; closing it sends END_STREAM.
 package interop

@@ -285,3 +285,69 @@ func TestIstioDialerConcurrentStreams(t *testing.T) {
 		t.Errorf("our server serves %d connections for %d concurrent Istio streams, want 1", n, streams)
 	}
 }
+
+// A server-first workload that sends and closes at once, reached by Istio's
+// dialer through our server: Istio's dialer, which never half-closes, reads
+// every byte and then EOF, once our server ends the stream after its
+// half-close linger.
+func TestIstioDialerUpstreamFINFirst(t *testing.T) {
+	m := newMesh(t)
+	banner := payload(6, 1<<20+7)
+	workload := startWorkload(t, "tcp", "127.0.0.1:0", func(c *net.TCPConn) {
+		c.Write(banner)
+	})
+	reqs := make(chan *hbone.Request, 1)
+	srv := startOurServer(t, m, dialingHandler(reqs, nil))
+	cert := m.istioCert(t, istioClientID)
+	c, err := istioDial(t, istioDialer(m, srv.addr, &cert, meshtunServerID, nil), workload)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	got, err := within(t, "reading the banner", func() ([]byte, error) { return io.ReadAll(c) })
+	if err != nil {
+		t.Fatalf("Istio's dialer reading a server-first workload: %v", err)
+	}
+	equalBytes(t, "workload -> Istio's dialer", got, banner)
+}
+
+// A workload that resets its connection: our server resets the stream
+// (RST_STREAM), and Istio's dialer turns that into an orderly EOF for its
+// application. The bytes before the reset arrive; the reset itself is lost
+// at Istio's end, as with ztunnel (ztunnel#1483).
+func TestIstioDialerSeesOurResetAsEOF(t *testing.T) {
+	m := newMesh(t)
+	head := []byte("before the reset")
+	workload := startWorkload(t, "tcp", "127.0.0.1:0", func(c *net.TCPConn) {
+		c.Write(head)
+		// Wait for the client's go-ahead so the bytes are out first.
+		b := make([]byte, 1)
+		if _, err := io.ReadFull(c, b); err != nil {
+			return
+		}
+		c.SetLinger(0)
+	})
+	reqs := make(chan *hbone.Request, 1)
+	srv := startOurServer(t, m, dialingHandler(reqs, nil))
+	cert := m.istioCert(t, istioClientID)
+	c, err := istioDial(t, istioDialer(m, srv.addr, &cert, meshtunServerID, nil), workload)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	got, err := within(t, "reading the head", func() ([]byte, error) {
+		b := make([]byte, len(head))
+		_, err := io.ReadFull(c, b)
+		return b, err
+	})
+	if err != nil || string(got) != string(head) {
+		t.Fatalf("Istio's dialer read %q, %v; want %q", got, err, head)
+	}
+	if _, err := c.Write([]byte("!")); err != nil {
+		t.Fatal(err)
+	}
+	rest, err := within(t, "reading after the reset", func() ([]byte, error) { return io.ReadAll(c) })
+	if err != nil || len(rest) != 0 {
+		t.Errorf("Istio's dialer after our RST_STREAM: %d bytes, %v; want a plain EOF (Istio drops resets)", len(rest), err)
+	}
+}

@@ -233,3 +233,71 @@ func TestOurClientConcurrentStreamsViaIstio(t *testing.T) {
 		t.Errorf("our client holds %d connections to Istio's server, want 1", st.Conns)
 	}
 }
+
+// Istio's server carries no reset: our Abort (RST_STREAM CANCEL) reaches the
+// workload as a FIN, and the workload's TCP RST reaches our client as a
+// clean end of stream. Bytes before either arrive.
+func TestIstioServerMapsResetToFIN(t *testing.T) {
+	m := newMesh(t)
+	is := startIstioServer(t, m, "tcp", "127.0.0.1:0")
+	client := ourClient(t, m)
+
+	t.Run("client abort", func(t *testing.T) {
+		gotHead := make(chan []byte, 1)
+		after := make(chan error, 1)
+		workload := startWorkload(t, "tcp", "127.0.0.1:0", func(c *net.TCPConn) {
+			b := make([]byte, 4)
+			n, _ := io.ReadFull(c, b)
+			gotHead <- b[:n]
+			rest, err := io.ReadAll(c)
+			if err == nil && len(rest) > 0 {
+				err = fmt.Errorf("%d more bytes", len(rest))
+			}
+			after <- err
+		})
+		conn, err := ourDial(t, client, dialReq(is.addr, workload, istioServerID))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := conn.Write([]byte("head")); err != nil {
+			t.Fatal(err)
+		}
+		// Abort once the bytes are through: a reset may drop what is
+		// still in flight, on TCP as in HTTP/2.
+		if b := wait(t, "workload read", gotHead); string(b) != "head" {
+			t.Fatalf("workload got %q, want %q", b, "head")
+		}
+		conn.Abort()
+		if err := wait(t, "workload after the abort", after); err != nil {
+			t.Errorf("workload after our RST_STREAM: %v; want a clean EOF (Istio's server half-closes instead of resetting)", err)
+		}
+	})
+
+	t.Run("workload reset", func(t *testing.T) {
+		head := []byte("before the reset")
+		workload := startWorkload(t, "tcp", "127.0.0.1:0", func(c *net.TCPConn) {
+			c.Write(head)
+			b := make([]byte, 1)
+			if _, err := io.ReadFull(c, b); err != nil {
+				return
+			}
+			c.SetLinger(0)
+		})
+		conn, err := ourDial(t, client, dialReq(is.addr, workload, istioServerID))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close()
+		b := make([]byte, len(head))
+		if _, err := within(t, "head", func() (int, error) { return io.ReadFull(conn, b) }); err != nil || string(b) != string(head) {
+			t.Fatalf("read %q, %v; want %q", b, err, head)
+		}
+		if _, err := conn.Write([]byte("!")); err != nil {
+			t.Fatal(err)
+		}
+		rest, err := within(t, "after the reset", func() ([]byte, error) { return io.ReadAll(conn) })
+		if err != nil || len(rest) != 0 {
+			t.Errorf("our client after the workload's RST via Istio: %d bytes, %v; want a clean EOF (Istio's server ends the stream normally)", len(rest), err)
+		}
+	})
+}
