@@ -1,0 +1,112 @@
+// Package procstat reads a process's CPU time and memory from /proc, to
+// charge the proxy for the work a benchmark made it do.
+package procstat
+
+import (
+	"bufio"
+	"bytes"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// clockTicks is USER_HZ, the unit of the CPU times in /proc/<pid>/stat. It
+// is 100 on every Linux architecture Go supports.
+const clockTicks = 100
+
+// Sample is one reading of a process.
+type Sample struct {
+	// CPU is user plus system time since the process started.
+	CPU time.Duration
+	// RSS is the resident set size (VmRSS), HWM its peak (VmHWM), in bytes.
+	RSS, HWM int64
+}
+
+// Read samples process pid from the /proc file system at root (normally
+// "/proc").
+func Read(root string, pid int) (Sample, error) {
+	dir := filepath.Join(root, strconv.Itoa(pid))
+	stat, err := os.ReadFile(filepath.Join(dir, "stat"))
+	if err != nil {
+		return Sample{}, fmt.Errorf("procstat: pid %d: %w", pid, err)
+	}
+	cpu, err := parseStat(stat)
+	if err != nil {
+		return Sample{}, fmt.Errorf("procstat: pid %d: %w", pid, err)
+	}
+	status, err := os.ReadFile(filepath.Join(dir, "status"))
+	if err != nil {
+		return Sample{}, fmt.Errorf("procstat: pid %d: %w", pid, err)
+	}
+	rss, hwm, err := parseStatus(status)
+	if err != nil {
+		return Sample{}, fmt.Errorf("procstat: pid %d: %w", pid, err)
+	}
+	return Sample{CPU: cpu, RSS: rss, HWM: hwm}, nil
+}
+
+// parseStat returns utime+stime from the contents of /proc/<pid>/stat.
+// The command name (field 2) is in parentheses and may itself contain
+// spaces and parentheses, so fields are counted from the last ')'.
+func parseStat(b []byte) (time.Duration, error) {
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return 0, fmt.Errorf("stat %q: no command name", firstLine(b))
+	}
+	// After ")": field 3 (state) onwards; utime and stime are fields 14
+	// and 15, so indexes 11 and 12 here.
+	f := strings.Fields(string(b[i+1:]))
+	if len(f) < 13 {
+		return 0, fmt.Errorf("stat %q: %d fields after the name, want at least 13", firstLine(b), len(f))
+	}
+	var ticks int64
+	for _, s := range f[11:13] {
+		v, err := strconv.ParseInt(s, 10, 64)
+		if err != nil {
+			return 0, fmt.Errorf("stat: CPU time %q: %w", s, err)
+		}
+		ticks += v
+	}
+	return time.Duration(ticks) * time.Second / clockTicks, nil
+}
+
+// parseStatus returns VmRSS and VmHWM in bytes from the contents of
+// /proc/<pid>/status.
+func parseStatus(b []byte) (rss, hwm int64, err error) {
+	var haveRSS, haveHWM bool
+	sc := bufio.NewScanner(bytes.NewReader(b))
+	for sc.Scan() {
+		key, val, ok := strings.Cut(sc.Text(), ":")
+		if !ok || (key != "VmRSS" && key != "VmHWM") {
+			continue
+		}
+		f := strings.Fields(val)
+		if len(f) != 2 || f[1] != "kB" {
+			return 0, 0, fmt.Errorf("status %s: %q: want \"<n> kB\"", key, strings.TrimSpace(val))
+		}
+		kb, err := strconv.ParseInt(f[0], 10, 64)
+		if err != nil {
+			return 0, 0, fmt.Errorf("status %s: %w", key, err)
+		}
+		if key == "VmRSS" {
+			rss, haveRSS = kb<<10, true
+		} else {
+			hwm, haveHWM = kb<<10, true
+		}
+	}
+	if !haveRSS || !haveHWM {
+		return 0, 0, fmt.Errorf("status: no VmRSS or VmHWM line (a kernel thread or a zombie?)")
+	}
+	return rss, hwm, nil
+}
+
+func firstLine(b []byte) string {
+	s, _, _ := strings.Cut(string(b), "\n")
+	if len(s) > 80 {
+		s = s[:80] + "…"
+	}
+	return s
+}
