@@ -226,6 +226,12 @@ type ourServer struct {
 
 func startOurServer(t *testing.T, m *mesh, h hbone.Handler) *ourServer {
 	t.Helper()
+	return startOurServerOn(t, m, h, "127.0.0.1:0")
+}
+
+// startOurServerOn is startOurServer listening on listen.
+func startOurServerOn(t *testing.T, m *mesh, h hbone.Handler, listen string) *ourServer {
+	t.Helper()
 	tc := identity.ServerTLS(m.src, td, func(netip.Addr) (spiffeid.ID, bool) { return meshtunServerID, true })
 	hellos := &helloLog{}
 	getCert := tc.GetCertificate
@@ -241,7 +247,7 @@ func startOurServer(t *testing.T, m *mesh, h hbone.Handler) *ourServer {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	ln, err := net.Listen("tcp", listen)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/netip"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -135,8 +136,9 @@ func TestIstioDialerThroughOurServer(t *testing.T) {
 }
 
 // Our server's refusals reach Istio's dialer as errors carrying the status:
-// 401 for a policy denial, 503 for an unreachable target. A refusal is per
-// stream: the pooled connection goes on carrying the next stream.
+// 401 for a policy denial, 503 for an unreachable target, 400 for an
+// :authority that is not ip:port. A refusal is per stream: the pooled
+// connection goes on carrying the next stream.
 func TestIstioDialerRefusedByOurServer(t *testing.T) {
 	m := newMesh(t)
 	workload := startWorkload(t, "tcp", "127.0.0.1:0", echo)
@@ -157,13 +159,14 @@ func TestIstioDialerRefusedByOurServer(t *testing.T) {
 
 	for _, tc := range []struct {
 		name   string
-		target netip.AddrPort
+		target string
 		status string
 	}{
-		{"denied", denied, "401 Unauthorized"},
-		{"unreachable", unreachable, "503 Service Unavailable"},
+		{"denied", denied.String(), "401 Unauthorized"},
+		{"unreachable", unreachable.String(), "503 Service Unavailable"},
+		{"host name", "localhost:" + strconv.Itoa(int(workload.Port())), "400 Bad Request"},
 	} {
-		c, err := istioDial(t, d, tc.target)
+		c, err := within(t, "Istio's dialer to "+tc.target, func() (net.Conn, error) { return d.Dial("tcp", tc.target) })
 		if err == nil {
 			c.Close()
 			t.Errorf("%s: Istio's dialer connected to %s, want an error with %s", tc.name, tc.target, tc.status)
@@ -172,14 +175,17 @@ func TestIstioDialerRefusedByOurServer(t *testing.T) {
 		if !strings.Contains(err.Error(), tc.status) {
 			t.Errorf("%s: Istio's dialer error %q does not carry %q", tc.name, err, tc.status)
 		}
-		if req := wait(t, "handler request", reqs); req.Peer != istioClientID || req.Target != tc.target {
+		if tc.name == "host name" {
+			continue // refused before the handler
+		}
+		if req := wait(t, "handler request", reqs); req.Peer != istioClientID || req.Target.String() != tc.target {
 			t.Errorf("%s: handler saw %s -> %s, want %s -> %s", tc.name, req.Peer, req.Target, istioClientID, tc.target)
 		}
 	}
 
 	c, err := istioDial(t, d, workload)
 	if err != nil {
-		t.Fatalf("Istio's dialer after two refusals: %v", err)
+		t.Fatalf("Istio's dialer after three refusals: %v", err)
 	}
 	defer c.Close()
 	<-reqs
@@ -349,5 +355,34 @@ func TestIstioDialerSeesOurResetAsEOF(t *testing.T) {
 	rest, err := within(t, "reading after the reset", func() ([]byte, error) { return io.ReadAll(c) })
 	if err != nil || len(rest) != 0 {
 		t.Errorf("Istio's dialer after our RST_STREAM: %d bytes, %v; want a plain EOF (Istio drops resets)", len(rest), err)
+	}
+}
+
+// Istio's dialer over IPv6: proxy and target [::1]:port; our server parses
+// the bracketed :authority and connects.
+func TestIstioDialerIPv6(t *testing.T) {
+	m := newMesh(t)
+	workload := startWorkload(t, "tcp", "[::1]:0", echo)
+	reqs := make(chan *hbone.Request, 1)
+	srv := startOurServerOn(t, m, dialingHandler(reqs, nil), "[::1]:0")
+	cert := m.istioCert(t, istioClientID)
+	c, err := istioDial(t, istioDialer(m, srv.addr, &cert, meshtunServerID, nil), workload)
+	if err != nil {
+		t.Fatalf("Istio's dialer via [::1]: %v", err)
+	}
+	defer c.Close()
+	msg := payload(7, 64<<10)
+	go c.Write(msg)
+	got, err := within(t, "echo", func() ([]byte, error) {
+		b := make([]byte, len(msg))
+		_, err := io.ReadFull(c, b)
+		return b, err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	equalBytes(t, "echo over IPv6", got, msg)
+	if req := wait(t, "handler request", reqs); req.Target != workload || !req.PeerAddr.Addr().Is6() {
+		t.Errorf("our handler saw %s from %s, want %s from an IPv6 peer", req.Target, req.PeerAddr, workload)
 	}
 }
