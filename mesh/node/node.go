@@ -237,6 +237,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	// Drain: not ready, GOAWAY to HBONE clients, new connections refused,
 	// open ones given DrainPeriod to finish.
 	n.ready.Store(false)
+	n.px.StopNew()
 	log.Info().Int("open", n.px.Open()).Dur("drain_period", cfg.DrainPeriod).Msg("draining")
 	dctx, cancel := context.WithTimeout(runCtx, cfg.DrainPeriod)
 	n.hs.Drain(dctx)

@@ -125,7 +125,7 @@ func (p *Proxy) Reauthorize() int {
 // HBONE) and waits for the open ones to finish. When ctx ends first it
 // resets those still open. It returns how many it had to reset.
 func (p *Proxy) Drain(ctx context.Context) int {
-	p.draining.Store(true)
+	p.StopNew()
 	for {
 		n, removed := p.active.len()
 		if n == 0 {
@@ -138,6 +138,9 @@ func (p *Proxy) Drain(ctx context.Context) int {
 		}
 	}
 }
+
+// StopNew makes the proxy refuse new connections from now on.
+func (p *Proxy) StopNew() { p.draining.Store(true) }
 
 // Open returns the number of connections the proxy relays now.
 func (p *Proxy) Open() int {

@@ -235,6 +235,9 @@ func (p *Process) Logs() string {
 // Pid returns the process ID.
 func (p *Process) Pid() int { return p.proc.Cmd.Process.Pid }
 
+// Signal sends sig to the process without waiting.
+func (p *Process) Signal(sig syscall.Signal) error { return p.proc.Cmd.Process.Signal(sig) }
+
 // Done is closed when the process has exited.
 func (p *Process) Done() <-chan struct{} { return p.done }
 
