@@ -1,0 +1,162 @@
+package gen
+
+import (
+	"context"
+	"net/netip"
+	"testing"
+	"time"
+)
+
+// here is the current namespace: the tests run on loopback.
+type here struct{}
+
+func (here) Do(fn func() error) error { return fn() }
+
+func serveLoopback(t *testing.T) *Server {
+	t.Helper()
+	srv, err := Serve(here{}, netip.MustParseAddr("127.0.0.1"), 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Close() })
+	return srv
+}
+
+func TestUploadDownloadCountBytes(t *testing.T) {
+	srv := serveLoopback(t)
+	ctx := t.Context()
+	windows := 0
+	cfg := TCPConfig{Streams: 2, Warmup: 20 * time.Millisecond, Duration: 100 * time.Millisecond,
+		Window: func() func() { windows++; return func() { windows++ } }}
+	up, err := Upload(ctx, here{}, srv, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if up.Bytes <= 0 || up.Elapsed < cfg.Duration || up.Gbps() <= 0 {
+		t.Errorf("upload: %+v (%.3f Gbit/s), want bytes over at least %v", up, up.Gbps(), cfg.Duration)
+	}
+	if windows != 2 {
+		t.Errorf("window callbacks: %d calls, want open and close", windows)
+	}
+	down, err := Download(ctx, here{}, srv, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if down.Bytes <= 0 || down.Elapsed < cfg.Duration {
+		t.Errorf("download: %+v", down)
+	}
+	// Every connection is gone once a run returns.
+	wctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	if err := srv.WaitIdle(wctx); err != nil {
+		t.Errorf("server still has connections after the runs: %v", err)
+	}
+}
+
+func TestTCPConfigRejected(t *testing.T) {
+	srv := serveLoopback(t)
+	if _, err := Upload(t.Context(), here{}, srv, TCPConfig{Streams: 0, Duration: time.Second}); err == nil {
+		t.Error("zero streams: no error")
+	}
+}
+
+func TestRequestResponse(t *testing.T) {
+	srv := serveLoopback(t)
+	lat, err := RequestResponse(t.Context(), here{}, srv, 64, time.Second, 200)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(lat) != 200 {
+		t.Fatalf("%d samples, want the 200 asked for", len(lat))
+	}
+	for i, d := range lat {
+		if d <= 0 {
+			t.Fatalf("sample %d = %v", i, d)
+		}
+	}
+}
+
+func TestConnectRequestClose(t *testing.T) {
+	srv := serveLoopback(t)
+	lat, elapsed, err := ConnectRequestClose(t.Context(), here{}, srv, 64, time.Second, 50)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(lat) != 50 || elapsed <= 0 {
+		t.Fatalf("%d samples in %v, want 50", len(lat), elapsed)
+	}
+	var sum time.Duration
+	for _, d := range lat {
+		sum += d
+	}
+	if sum > elapsed {
+		t.Errorf("rounds add up to %v, more than the %v elapsed", sum, elapsed)
+	}
+}
+
+func TestConnectFailsOnClosedPort(t *testing.T) {
+	// A server whose echo address nothing listens on (port 1).
+	dead := &Server{Echo: netip.MustParseAddrPort("127.0.0.1:1")}
+	if _, _, err := ConnectRequestClose(t.Context(), here{}, dead, 64, time.Second, 1); err == nil {
+		t.Error("connect to a closed port: no error")
+	}
+}
+
+func TestUDPPacedRate(t *testing.T) {
+	srv := serveLoopback(t)
+	cfg := UDPConfig{Size: 1200, Rate: 20000, Duration: 200 * time.Millisecond}
+	r, err := UDP(t.Context(), here{}, srv, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// 20,000/s for 0.2 s is 4,000 datagrams; pacing is allowed some slack.
+	if r.Sent < 3000 || r.Sent > 4100 {
+		t.Errorf("sent %d datagrams, want about 4000", r.Sent)
+	}
+	if r.Received <= 0 || r.Received > r.Sent {
+		t.Errorf("received %d of %d", r.Received, r.Sent)
+	}
+	if l := r.Loss(); l < 0 || l > 1 {
+		t.Errorf("loss %v out of [0,1]", l)
+	}
+	if r.PPS() <= 0 {
+		t.Errorf("pps %v", r.PPS())
+	}
+}
+
+func TestUDPResultMath(t *testing.T) {
+	r := UDPResult{Sent: 1000, Received: 990, Elapsed: time.Second / 2}
+	if r.PPS() != 1980 {
+		t.Errorf("PPS = %v, want 1980", r.PPS())
+	}
+	if l := r.Loss(); l < 0.00999 || l > 0.01001 {
+		t.Errorf("Loss = %v, want 0.01", l)
+	}
+	if (UDPResult{Sent: 5, Received: 7}).Loss() != 0 {
+		t.Error("more received than sent must not be negative loss")
+	}
+	if (Throughput{Bytes: 125_000_000, Elapsed: time.Second}).Gbps() != 1 {
+		t.Error("125 MB in 1 s is not 1 Gbit/s")
+	}
+}
+
+func TestOpenIdleHeldByServer(t *testing.T) {
+	srv := serveLoopback(t)
+	set, err := OpenIdle(t.Context(), here{}, srv, nil, 30)
+	if err != nil {
+		t.Fatal(err)
+	}
+	set, err = OpenIdle(t.Context(), here{}, srv, set, 20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if set.Len() != 50 || srv.Held() != 50 {
+		t.Fatalf("set %d, server holds %d; want 50 and 50", set.Len(), srv.Held())
+	}
+	set.Close()
+	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Second)
+	defer cancel()
+	if err := srv.WaitIdle(ctx); err != nil {
+		t.Errorf("server still holds %d after Close: %v", srv.Held(), err)
+	}
+}
