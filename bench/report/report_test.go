@@ -1,0 +1,229 @@
+package report
+
+import (
+	"bytes"
+	"encoding/xml"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+func sample() *Result {
+	return &Result{
+		Tool: "meshtun bench", Version: "test", Command: "meshtun bench --quick",
+		Started: time.Date(2025, 1, 2, 3, 4, 5, 0, time.UTC), Seconds: 42, Repetitions: 3,
+		Baseline: "direct",
+		Paths: []Path{
+			{Name: "direct", Description: "kernel"},
+			{Name: "mesh", Description: "HBONE", Proxies: []string{"meshtun n7", "meshtun n8"}},
+			{Name: "peer", Description: "other", Peer: true, Proxies: []string{"tun2socks n9"}},
+		},
+		Metrics: []Metric{
+			{ID: "tcp_up_1", Title: "TCP up, 1 stream", Label: "up ×1", Unit: "Gbit/s", Better: Higher, Chart: "TCP throughput",
+				Values: map[string]Value{
+					"direct": NewValue([]float64{10, 12, 11}),
+					"mesh":   NewValue([]float64{2, 3, 2.5}),
+					"peer":   NewValue([]float64{1, 1.25, 1}),
+				}},
+			{ID: "rr_p50", Title: "request/response p50", Label: "p50", Unit: "µs", Better: Lower, Chart: "Request/response latency",
+				Values: map[string]Value{
+					"direct": NewValue([]float64{50, 60, 55}),
+					"mesh":   NewValue([]float64{100}),
+				}},
+			{ID: "cpu", Title: "CPU per GB", Unit: "s/GB", Better: Lower, Chart: "CPU & memory <cost>",
+				Values: map[string]Value{"mesh": NewValue([]float64{4})}},
+		},
+		Errors: []string{"peer/rr: connection refused"},
+	}
+}
+
+func TestJSONRoundTrip(t *testing.T) {
+	r := sample()
+	var buf bytes.Buffer
+	if err := WriteJSON(&buf, r); err != nil {
+		t.Fatal(err)
+	}
+	// Machines read flat fields: the summary is inlined in each value.
+	for _, want := range []string{`"median": 11`, `"min": 10`, `"max": 12`, `"n": 3`, `"samples": [`, `"better": "higher"`, `"baseline": "direct"`} {
+		if !strings.Contains(buf.String(), want) {
+			t.Errorf("JSON lacks %s:\n%s", want, buf.String())
+		}
+	}
+	got, err := ReadJSON(&buf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	v := got.Metric("tcp_up_1").Values["mesh"]
+	if v.Median != 2.5 || v.Min != 2 || v.Max != 3 || len(v.Samples) != 3 {
+		t.Errorf("mesh tcp_up_1 after round trip: %+v", v)
+	}
+	if got.Peer() != "peer" || !got.Started.Equal(r.Started) || len(got.Errors) != 1 {
+		t.Errorf("round trip lost fields: peer %q started %v errors %v", got.Peer(), got.Started, got.Errors)
+	}
+	if _, err := ReadJSON(strings.NewReader("{")); err == nil {
+		t.Error("ReadJSON of truncated input: no error")
+	}
+}
+
+func TestRatio(t *testing.T) {
+	m := sample().Metric("tcp_up_1")
+	if x, ok := m.Ratio("mesh", "peer"); !ok || x != 2.5 {
+		t.Errorf("mesh ÷ peer = %v, %v; want 2.5", x, ok)
+	}
+	if _, ok := m.Ratio("mesh", "nowhere"); ok {
+		t.Error("ratio to a missing path reported ok")
+	}
+}
+
+func TestTable(t *testing.T) {
+	var buf bytes.Buffer
+	if err := WriteTable(&buf, sample()); err != nil {
+		t.Fatal(err)
+	}
+	out := buf.String()
+	lines := strings.Split(out, "\n")
+	if !strings.HasPrefix(lines[0], "metric") || !strings.Contains(lines[0], "direct") || !strings.Contains(lines[0], "peer") {
+		t.Fatalf("header: %q", lines[0])
+	}
+	for _, want := range []string{
+		"TCP up, 1 stream [Gbit/s]", "11.0 (10.0–12.0)", "2.50 (2.00–3.00)",
+		"×0.227",        // mesh ÷ direct: 2.5 / 11
+		"×2.50",         // mesh ÷ peer
+		"+45.0µs ×1.82", // rr p50: mesh 100 vs direct 55
+		"—",             // missing value
+		"1 measurement(s) failed", "peer/rr: connection refused",
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("table lacks %q:\n%s", want, out)
+		}
+	}
+	// Columns line up: every cell of a column starts at the same rune
+	// offset, so "direct" in the header sits over the first values.
+	col := strings.Index(lines[0], "direct")
+	row := lines[2]
+	if !strings.HasPrefix(string([]rune(row)[col:]), "11.0") {
+		t.Errorf("first value not under its header at rune %d:\n%s\n%s", col, lines[0], row)
+	}
+}
+
+func TestNum(t *testing.T) {
+	for v, want := range map[float64]string{
+		0: "0", 31250: "31250", 123.4: "123", 12.34: "12.3", 1.234: "1.23", 0.1234: "0.123", 0.05: "0.05", 0.0001234: "0.00012", -2.5: "-2.50",
+	} {
+		if got := Num(v); got != want {
+			t.Errorf("Num(%v) = %q, want %q", v, got, want)
+		}
+	}
+}
+
+func TestNiceCeil(t *testing.T) {
+	for v, want := range map[float64]float64{0: 1, -3: 1, 1: 1, 1.2: 2, 2.1: 2.5, 3: 5, 7: 10, 12: 20, 0.034: 0.05, 250: 250, 251: 500} {
+		if got := niceCeil(v); got < want*0.999999 || got > want*1.000001 {
+			t.Errorf("niceCeil(%v) = %v, want %v", v, got, want)
+		}
+	}
+}
+
+func TestChartsGroupAndCheckUnits(t *testing.T) {
+	r := sample()
+	cs, err := Charts(r)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(cs) != 3 || cs[0].File != "tcp-throughput.svg" || cs[2].File != "cpu-memory-cost.svg" || len(cs[0].Metrics) != 1 {
+		t.Fatalf("charts: %+v", cs)
+	}
+	r.Metrics = append(r.Metrics, Metric{ID: "x", Unit: "MiB", Chart: "TCP throughput"})
+	if _, err := Charts(r); err == nil {
+		t.Error("a chart mixing Gbit/s and MiB: no error")
+	}
+}
+
+// svgDoc is the part of an SVG the test inspects.
+type svgDoc struct {
+	XMLName xml.Name `xml:"svg"`
+	Rects   []struct {
+		Fill   string `xml:"fill,attr"`
+		Height string `xml:"height,attr"`
+		Title  string `xml:"title"`
+	} `xml:"rect"`
+	Texts []string `xml:"text"`
+}
+
+func TestSVGIsWellFormedWithOneBarPerValue(t *testing.T) {
+	r := sample()
+	cs, _ := Charts(r)
+	var buf bytes.Buffer
+	if err := WriteSVG(&buf, r, cs[0]); err != nil {
+		t.Fatal(err)
+	}
+	var doc svgDoc
+	if err := xml.Unmarshal(buf.Bytes(), &doc); err != nil {
+		t.Fatalf("SVG does not parse: %v\n%s", err, buf.String())
+	}
+	bars := 0
+	for _, rc := range doc.Rects {
+		if strings.Contains(rc.Title, "TCP up, 1 stream") {
+			bars++
+			if rc.Height == "" || strings.HasPrefix(rc.Height, "-") {
+				t.Errorf("bar %q has height %q", rc.Title, rc.Height)
+			}
+		}
+	}
+	if bars != 3 {
+		t.Errorf("%d bars, want one per path (3)", bars)
+	}
+	joined := strings.Join(doc.Texts, "|")
+	for _, want := range []string{"TCP throughput", "up ×1", "11.0", "2.50", "direct", "mesh", "peer"} {
+		if !strings.Contains(joined, want) {
+			t.Errorf("SVG texts lack %q: %s", want, joined)
+		}
+	}
+	// The peer keeps its own colour.
+	peerBar := false
+	for _, rc := range doc.Rects {
+		if strings.HasPrefix(rc.Title, "peer ") && rc.Fill == peerColour {
+			peerBar = true
+		}
+	}
+	if !peerBar {
+		t.Error("peer bar not in the peer colour")
+	}
+	// Missing values say so instead of drawing a bar.
+	buf.Reset()
+	WriteSVG(&buf, r, cs[1])
+	if !strings.Contains(buf.String(), ">n/a<") {
+		t.Error("rr chart: no n/a for the peer's missing value")
+	}
+	// Markup in titles is escaped.
+	buf.Reset()
+	WriteSVG(&buf, r, cs[2])
+	if err := xml.Unmarshal(buf.Bytes(), &doc); err != nil || !strings.Contains(buf.String(), "&lt;cost&gt;") {
+		t.Errorf("title with <cost> not escaped (%v)", err)
+	}
+}
+
+func TestWriteCharts(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "out")
+	files, err := WriteCharts(dir, sample())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(files) != 4 {
+		t.Fatalf("wrote %v, want 3 charts and index.html", files)
+	}
+	for _, f := range files {
+		b, err := os.ReadFile(f)
+		if err != nil || len(b) == 0 {
+			t.Errorf("%s: %v, %d bytes", f, err, len(b))
+		}
+	}
+	idx, _ := os.ReadFile(filepath.Join(dir, "index.html"))
+	for _, want := range []string{`src="tcp-throughput.svg"`, "TCP up, 1 stream", "meshtun bench --quick"} {
+		if !strings.Contains(string(idx), want) {
+			t.Errorf("index.html lacks %q", want)
+		}
+	}
+}

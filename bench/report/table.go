@@ -1,0 +1,142 @@
+package report
+
+import (
+	"fmt"
+	"io"
+	"math"
+	"strings"
+	"unicode/utf8"
+)
+
+// WriteTable writes r as a text table: one row per metric with each path's
+// median and (min–max) range, and under it each path's ratio to the
+// baseline and to the peer (value ÷ reference; for latencies the added
+// time too). Paths are columns, in r.Paths order.
+func WriteTable(w io.Writer, r *Result) error {
+	peer := r.Peer()
+	header := []string{"metric"}
+	for _, p := range r.Paths {
+		header = append(header, p.Name)
+	}
+	rows := [][]string{header}
+	for i := range r.Metrics {
+		m := &r.Metrics[i]
+		row := []string{m.Title + " [" + m.Unit + "]"}
+		for _, p := range r.Paths {
+			row = append(row, cell(m.Values[p.Name]))
+		}
+		rows = append(rows, row)
+		for _, ref := range []string{r.Baseline, peer} {
+			if ref == "" {
+				continue
+			}
+			row := []string{"  vs " + ref}
+			any := false
+			for _, p := range r.Paths {
+				s := ""
+				if p.Name != ref {
+					s = ratioCell(m, p.Name, ref)
+				}
+				any = any || s != ""
+				row = append(row, s)
+			}
+			if any {
+				rows = append(rows, row)
+			}
+		}
+	}
+	widths := make([]int, len(header))
+	for _, row := range rows {
+		for i, c := range row {
+			widths[i] = max(widths[i], utf8.RuneCountInString(c))
+		}
+	}
+	var b strings.Builder
+	for n, row := range rows {
+		for i, c := range row {
+			if i > 0 {
+				b.WriteString("  ")
+			}
+			b.WriteString(c)
+			if i < len(row)-1 {
+				b.WriteString(strings.Repeat(" ", widths[i]-utf8.RuneCountInString(c)))
+			}
+		}
+		b.WriteString("\n")
+		if n == 0 {
+			total := len(widths) - 1
+			for _, wd := range widths {
+				total += wd + 1
+			}
+			b.WriteString(strings.Repeat("─", total) + "\n")
+		}
+	}
+	b.WriteString("cells: median (min–max) of the repetitions; “vs X”: ×median÷X's median")
+	b.WriteString(", and for latencies the time added over X\n")
+	if len(r.Errors) > 0 {
+		fmt.Fprintf(&b, "\n%d measurement(s) failed:\n", len(r.Errors))
+		for _, e := range r.Errors {
+			b.WriteString("  " + e + "\n")
+		}
+	}
+	_, err := io.WriteString(w, b.String())
+	return err
+}
+
+// cell formats a value as "median (min–max)", or "—" if there is none.
+func cell(v Value) string {
+	if v.N == 0 {
+		return "—"
+	}
+	if v.N == 1 || v.Min == v.Max {
+		return Num(v.Median)
+	}
+	return fmt.Sprintf("%s (%s–%s)", Num(v.Median), Num(v.Min), Num(v.Max))
+}
+
+// ratioCell formats path's ratio to ref for m: "×0.42", with "+35µs"
+// before it for latencies.
+func ratioCell(m *Metric, path, ref string) string {
+	x, ok := m.Ratio(path, ref)
+	if !ok {
+		return ""
+	}
+	s := "×" + Num(x)
+	if m.Unit == "µs" {
+		d := m.Values[path].Median - m.Values[ref].Median
+		sign := "+"
+		if d < 0 {
+			sign = "−"
+		}
+		s = sign + Num(math.Abs(d)) + "µs " + s
+	}
+	return s
+}
+
+// Num formats a figure with about three significant digits.
+func Num(v float64) string {
+	a := math.Abs(v)
+	switch {
+	case v == 0:
+		return "0"
+	case math.IsNaN(v) || math.IsInf(v, 0):
+		return fmt.Sprint(v)
+	case a >= 100:
+		return fmt.Sprintf("%.0f", v)
+	case a >= 10:
+		return fmt.Sprintf("%.1f", v)
+	case a >= 1:
+		return fmt.Sprintf("%.2f", v)
+	case a >= 0.001:
+		return trimZeros(fmt.Sprintf("%.3f", v))
+	default:
+		return fmt.Sprintf("%.2g", v)
+	}
+}
+
+func trimZeros(s string) string {
+	if strings.Contains(s, ".") {
+		s = strings.TrimRight(strings.TrimRight(s, "0"), ".")
+	}
+	return s
+}
