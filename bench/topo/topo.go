@@ -1,0 +1,201 @@
+// Package topo builds the benchmark's sealed topology: a network-namespace
+// cluster (test/cluster) with one pair of nodes per data path, one pod on
+// each node, and the proxies of each path started on its nodes. The paths
+// exist side by side, so a benchmark can interleave them without
+// restarting anything.
+package topo
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+
+	"github.com/rs/zerolog"
+
+	"github.com/meshtun/meshtun/test/cluster"
+	"github.com/meshtun/meshtun/test/noderun"
+)
+
+// Path names.
+const (
+	Direct      = "direct"
+	Verbatim    = "verbatim"
+	Passthrough = "passthrough"
+	Mesh        = "mesh"
+	Tun2socks   = "tun2socks"
+)
+
+// Proxy is a proxy process a path's traffic runs through.
+type Proxy struct {
+	// Name says what runs where, e.g. "meshtun n7".
+	Name string
+	// Pid is the process ID, for /proc.
+	Pid int
+}
+
+// Path is one way from a source pod to a destination pod.
+type Path struct {
+	// Name is one of Direct, Verbatim, Passthrough, Mesh, Tun2socks.
+	Name string
+	// Description says what the packets go through.
+	Description string
+	// Peer marks a path of another project, the one ratios are taken to.
+	Peer bool
+	// Src is the client pod, Dst the server pod, on another node.
+	Src, Dst *cluster.Pod
+	// Proxies are the proxy processes on the way; none on Direct.
+	Proxies []Proxy
+}
+
+// Spec says what to build.
+type Spec struct {
+	// Meshtun is the meshtun binary to run `meshtun node` from.
+	Meshtun string
+	// Tun2socks is the tun2socks binary; empty leaves the peer path out.
+	Tun2socks string
+	// LogLevel is meshtun's --log-level ("info", its default, if empty).
+	LogLevel string
+	// Log receives progress messages.
+	Log zerolog.Logger
+}
+
+// Topology is a built topology. Close tears it down.
+type Topology struct {
+	// Cluster is the namespace cluster.
+	Cluster *cluster.Cluster
+	// Paths are in the order Direct, Verbatim, Passthrough, Mesh and, if
+	// asked for, Tun2socks.
+	Paths []*Path
+	// ConfigPath is the mesh config the meshtun nodes run with.
+	ConfigPath string
+
+	dir string
+	log zerolog.Logger
+}
+
+// pathPlan describes a path before it is built.
+type pathPlan struct {
+	name, desc string
+	peer       bool
+}
+
+var plans = []pathPlan{
+	{Direct, "the kernel alone: pod → node → node → pod over veth and a bridge, no proxy", false},
+	{Verbatim, "meshtun on both nodes with --no-intercept: every packet through each node's TUN and written back", false},
+	{Passthrough, "meshtun on the client's node, server pod outside the mesh: TCP terminated in the netstack, sent on by a kernel socket", false},
+	{Mesh, "meshtun on both nodes, both pods in the mesh: HBONE (HTTP/2 CONNECT over mTLS) from node to node", false},
+	{Tun2socks, "tun2socks v2.6.0 on the client's node with -proxy direct:// on the same TUN path (same rules, MTU, queue length)", true},
+}
+
+// Sysctls set in every pod and node namespace: connect-heavy scenarios
+// leave many TIME_WAIT sockets behind, and 10,000 idle connections need
+// ports.
+var portSysctls = [][2]string{
+	{"net.ipv4.tcp_tw_reuse", "1"},
+	{"net.ipv4.ip_local_port_range", "10000 65000"},
+}
+
+// Build builds the cluster, writes the mesh config, starts the proxies and
+// returns once every path carries traffic. On error it tears down what it
+// built.
+func Build(ctx context.Context, spec Spec) (*Topology, error) {
+	if spec.Meshtun == "" {
+		return nil, errors.New("topo: no meshtun binary")
+	}
+	if spec.LogLevel == "" {
+		spec.LogLevel = "info"
+	}
+	ps := plans[:4]
+	if spec.Tun2socks != "" {
+		ps = plans
+	}
+	c, err := cluster.New(ctx, cluster.Spec{Name: "bench", Nodes: 2 * len(ps), PodsPerNode: 1, NoExternal: true, Log: spec.Log})
+	if err != nil {
+		return nil, fmt.Errorf("topo: %w", err)
+	}
+	t := &Topology{Cluster: c, log: spec.Log}
+	if err := t.build(ctx, spec, ps); err != nil {
+		return nil, errors.Join(err, t.Close())
+	}
+	return t, nil
+}
+
+func (t *Topology) build(ctx context.Context, spec Spec, ps []pathPlan) error {
+	c := t.Cluster
+	for _, n := range c.Nodes {
+		for _, ns := range []*cluster.NS{n.NS, n.Pods[0].NS} {
+			for _, kv := range portSysctls {
+				if err := ns.SetSysctl(kv[0], kv[1]); err != nil {
+					return fmt.Errorf("topo: %w", err)
+				}
+			}
+		}
+	}
+	for i, p := range ps {
+		t.Paths = append(t.Paths, &Path{
+			Name: p.name, Description: p.desc, Peer: p.peer,
+			Src: c.Nodes[2*i].Pods[0], Dst: c.Nodes[2*i+1].Pods[0],
+		})
+	}
+	dir, err := os.MkdirTemp("", "meshtun-bench-")
+	if err != nil {
+		return fmt.Errorf("topo: %w", err)
+	}
+	t.dir = dir
+	m := noderun.Mesh{Pods: map[string]noderun.Pod{}}
+	if p := t.Path(Passthrough); p != nil {
+		m.Pods[p.Dst.ID] = noderun.Pod{Outside: true}
+	}
+	if t.ConfigPath, err = noderun.WriteConfig(c, dir, m); err != nil {
+		return fmt.Errorf("topo: %w", err)
+	}
+	for _, p := range t.Paths {
+		var nodes []*cluster.Node
+		var extra []string
+		switch p.Name {
+		case Verbatim:
+			nodes, extra = []*cluster.Node{p.Src.Node, p.Dst.Node}, []string{"--no-intercept"}
+		case Passthrough:
+			nodes = []*cluster.Node{p.Src.Node}
+		case Mesh:
+			nodes = []*cluster.Node{p.Src.Node, p.Dst.Node}
+		case Tun2socks:
+			pid, err := startTun2socks(ctx, spec.Tun2socks, p.Src, t.log)
+			if err != nil {
+				return err
+			}
+			p.Proxies = append(p.Proxies, Proxy{Name: "tun2socks " + noderun.NodeName(p.Src.Node), Pid: pid})
+		}
+		for _, n := range nodes {
+			args := append([]string{"--config", t.ConfigPath, "--log-level", spec.LogLevel}, extra...)
+			pid, err := startMeshtun(ctx, spec.Meshtun, n, args...)
+			if err != nil {
+				return err
+			}
+			p.Proxies = append(p.Proxies, Proxy{Name: "meshtun " + noderun.NodeName(n), Pid: pid})
+		}
+		t.log.Debug().Str("path", p.Name).Str("src", p.Src.ID).Str("dst", p.Dst.ID).Msg("topo: path ready")
+	}
+	return nil
+}
+
+// Path returns the path with this name, or nil.
+func (t *Topology) Path(name string) *Path {
+	for _, p := range t.Paths {
+		if p.Name == name {
+			return p
+		}
+	}
+	return nil
+}
+
+// Close stops the proxies, tears down the cluster and removes the config
+// directory.
+func (t *Topology) Close() error {
+	err := t.Cluster.Close()
+	if t.dir != "" {
+		err = errors.Join(err, os.RemoveAll(t.dir))
+	}
+	return err
+}

@@ -1,0 +1,186 @@
+package topo
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+
+	"github.com/rs/zerolog"
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+
+	"github.com/meshtun/meshtun/test/cluster"
+	"github.com/meshtun/meshtun/tun"
+)
+
+// Tun2socksModule and Tun2socksVersion name the peer the suite compares
+// against.
+const (
+	Tun2socksModule  = "github.com/xjasonlyu/tun2socks/v2"
+	Tun2socksVersion = "v2.6.0"
+)
+
+// tun2socksDev is the TUN device tun2socks creates on its node.
+const tun2socksDev = "t2s0"
+
+// BuildTun2socks returns the path of a tun2socks binary of
+// Tun2socksVersion under cacheDir, building it there from the Go module
+// proxy the first time (about a minute on this kind of machine). It is
+// built in a scratch module with `go get -tool` and `go build`, as plain
+// `go install module@version` refuses the module (its go.mod has replace
+// directives). The binary is a peer the benchmark runs, never code of
+// meshtun's.
+func BuildTun2socks(ctx context.Context, cacheDir string, log zerolog.Logger) (string, error) {
+	dir := filepath.Join(cacheDir, "tun2socks-"+Tun2socksVersion)
+	bin := filepath.Join(dir, "tun2socks")
+	if fi, err := os.Stat(bin); err == nil && fi.Mode().IsRegular() && fi.Mode()&0o111 != 0 {
+		return bin, nil
+	}
+	goTool, err := findGo()
+	if err != nil {
+		return "", err
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return "", fmt.Errorf("topo: tun2socks cache: %w", err)
+	}
+	scratch, err := os.MkdirTemp(dir, "build-")
+	if err != nil {
+		return "", fmt.Errorf("topo: tun2socks cache: %w", err)
+	}
+	defer os.RemoveAll(scratch)
+	log.Info().Str("module", Tun2socksModule+"@"+Tun2socksVersion).Str("cache", dir).Msg("building the tun2socks peer (once)")
+	tmp := filepath.Join(scratch, "tun2socks")
+	steps := [][]string{
+		{"mod", "init", "meshtun.bench/peer"},
+		{"get", "-tool", Tun2socksModule + "@" + Tun2socksVersion},
+		{"build", "-o", tmp, Tun2socksModule},
+	}
+	for _, args := range steps {
+		cmd := exec.CommandContext(ctx, goTool, args...)
+		cmd.Dir = scratch
+		cmd.Env = append(os.Environ(), "GOFLAGS=-mod=mod", "GOWORK=off")
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			return "", fmt.Errorf("topo: build tun2socks: go %s: %w\n%s", strings.Join(args, " "), err, out)
+		}
+	}
+	if err := os.Rename(tmp, bin); err != nil {
+		return "", fmt.Errorf("topo: tun2socks cache: %w", err)
+	}
+	return bin, nil
+}
+
+// findGo returns the go command: from PATH, else the toolchain in
+// /usr/local/go.
+func findGo() (string, error) {
+	if p, err := exec.LookPath("go"); err == nil {
+		return p, nil
+	}
+	const fallback = "/usr/local/go/bin/go"
+	if _, err := os.Stat(fallback); err == nil {
+		return fallback, nil
+	}
+	return "", errors.New("topo: building tun2socks needs the go command (not in PATH, nor " + fallback + ")")
+}
+
+// startTun2socks runs tun2socks on the node of pod src with a TUN of its
+// own and the direct:// proxy (each flow sent on by a kernel socket of the
+// node), at its default log level, then puts the TUN on the path meshtun
+// uses: the same queue length, no IPv6 address generation, reverse-path
+// filtering off on it, and the same policy rules and table (see
+// tun.InstallRouting): packets from src's link and to src's addresses go
+// to the TUN, what the TUN or the node itself sends does not.
+func startTun2socks(ctx context.Context, bin string, src *cluster.Pod, log zerolog.Logger) (int, error) {
+	n := src.Node
+	pid, err := startLogged(ctx, n, func(line []byte) bool {
+		return bytes.Contains(line, []byte("[STACK]"))
+	}, bin, "-device", "tun://"+tun2socksDev, "-proxy", "direct://", "-loglevel", "info")
+	if err != nil {
+		return 0, err
+	}
+	if err := n.SetSysctl("net/ipv4/conf/"+tun2socksDev+"/rp_filter", "0"); err != nil {
+		return 0, fmt.Errorf("topo: tun2socks: %w", err)
+	}
+	if v, err := n.Sysctl("net.ipv4.conf.all.rp_filter"); err != nil {
+		return 0, fmt.Errorf("topo: tun2socks: %w", err)
+	} else if v == "1" {
+		if err := n.SetSysctl("net.ipv4.conf.all.rp_filter", "2"); err != nil {
+			return 0, fmt.Errorf("topo: tun2socks: %w", err)
+		}
+	}
+	err = n.Do(func() error {
+		link, err := netlink.LinkByName(tun2socksDev)
+		if err != nil {
+			return fmt.Errorf("find %s: %w", tun2socksDev, err)
+		}
+		if err := netlink.LinkSetTxQLen(link, tun.DefaultTxQueueLen); err != nil {
+			return fmt.Errorf("txqueuelen of %s: %w", tun2socksDev, err)
+		}
+		const addrGenModeNone = 1
+		if err := netlink.LinkSetIP6AddrGenMode(link, addrGenModeNone); err != nil && !errors.Is(err, unix.EOPNOTSUPP) {
+			return fmt.Errorf("addrgenmode of %s: %w", tun2socksDev, err)
+		}
+		if err := netlink.LinkSetUp(link); err != nil {
+			return fmt.Errorf("bring %s up: %w", tun2socksDev, err)
+		}
+		return captureRules(link.Attrs().Index, src)
+	})
+	if err != nil {
+		return 0, fmt.Errorf("topo: tun2socks on %s: %w", n.Name(), err)
+	}
+	log.Debug().Int("pid", pid).Str("node", n.Name()).Msg("topo: tun2socks ready")
+	return pid, nil
+}
+
+// captureRules installs, in the current namespace, the routes and rules
+// tun.InstallRouting installs for meshtun, for the TUN with index dev and
+// the one captured pod src.
+func captureRules(dev int, src *cluster.Pod) error {
+	table, prio := tun.DefaultTable, tun.DefaultPriority
+	for _, dst := range []netip.Prefix{netip.MustParsePrefix("0.0.0.0/0"), netip.MustParsePrefix("::/0")} {
+		rt := &netlink.Route{LinkIndex: dev, Dst: ipNet(dst), Table: table, Scope: netlink.SCOPE_LINK}
+		if err := netlink.RouteAdd(rt); err != nil {
+			return fmt.Errorf("route %s table %d: %w", dst, table, err)
+		}
+	}
+	add := func(family, priority, table int, iif string, to netip.Prefix) error {
+		r := netlink.NewRule()
+		r.Family, r.Priority, r.Table, r.IifName = family, priority, table, iif
+		if to.IsValid() {
+			r.Dst = ipNet(to)
+		}
+		if err := netlink.RuleAdd(r); err != nil {
+			return fmt.Errorf("rule %s: %w", r, err)
+		}
+		return nil
+	}
+	families := []int{unix.AF_INET, unix.AF_INET6}
+	// Exemptions first: what the TUN writes back and what the node sends.
+	for _, iif := range []string{tun2socksDev, "lo"} {
+		for _, f := range families {
+			if err := add(f, prio-1, unix.RT_TABLE_MAIN, iif, netip.Prefix{}); err != nil {
+				return err
+			}
+		}
+	}
+	for _, f := range families {
+		if err := add(f, prio, table, src.HostLink, netip.Prefix{}); err != nil {
+			return err
+		}
+	}
+	if err := add(unix.AF_INET, prio, table, "", netip.PrefixFrom(src.IPv4, 32)); err != nil {
+		return err
+	}
+	return add(unix.AF_INET6, prio, table, "", netip.PrefixFrom(src.IPv6, 128))
+}
+
+func ipNet(p netip.Prefix) *net.IPNet {
+	return &net.IPNet{IP: p.Addr().AsSlice(), Mask: net.CIDRMask(p.Bits(), p.Addr().BitLen())}
+}
