@@ -52,6 +52,7 @@ type Config struct {
 type Stats struct {
 	Drops               atomic.Uint64 // packets the classifier dropped
 	VerbatimWriteErrors atomic.Uint64 // verbatim packets the TUN refused
+	BadChecksums        atomic.Uint64 // intercepted packets dropped for a wrong checksum
 }
 
 // Stack is a gVisor netstack behind the classifier on a TUN device.
@@ -139,6 +140,7 @@ func (st *Stack) Close() {
 type Counters struct {
 	Drops               uint64 // packets the classifier dropped
 	VerbatimWriteErrors uint64 // verbatim packets the TUN refused
+	BadChecksums        uint64 // intercepted packets dropped for a wrong checksum
 	TCPRetransmits      uint64 // segments the netstack's TCP retransmitted
 	ForwarderDrops      uint64 // SYNs dropped: too many connections pending
 }
@@ -149,6 +151,7 @@ func (st *Stack) Stats() Counters {
 	return Counters{
 		Drops:               st.stats.Drops.Load(),
 		VerbatimWriteErrors: st.stats.VerbatimWriteErrors.Load(),
+		BadChecksums:        st.stats.BadChecksums.Load(),
 		TCPRetransmits:      tcp.Retransmits.Value(),
 		ForwarderDrops:      tcp.ForwardMaxInFlightDrop.Value(),
 	}

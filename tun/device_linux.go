@@ -4,8 +4,12 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"sync"
+	"sync/atomic"
 	"syscall"
+	"unsafe"
 
+	"github.com/rs/zerolog"
 	"github.com/songgao/water"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
@@ -25,20 +29,44 @@ type Config struct {
 	Name       string // interface name, e.g. "meshtun0"
 	MTU        int    // link MTU; 0 means 1500
 	TxQueueLen int    // 0 means DefaultTxQueueLen
+	// NoOffload opens the device without the virtio-net header and
+	// offloads: one MTU-sized packet per read and write, checksums
+	// complete. Without it, Open asks for offloads (TSO, checksum, USO)
+	// and falls back to the plain mode, with a warning in Logger, if the
+	// kernel refuses them.
+	NoOffload bool
+	// Logger receives the fallback warning; the zero value discards it.
+	Logger zerolog.Logger
 }
 
-// Device is an open TUN device in IFF_TUN|IFF_NO_PI mode: each read or write
-// is exactly one IP packet with no header in front.
+// offloadFlags are the offloads asked of the kernel with TUNSETOFFLOAD:
+// packets may be read with a partial checksum and as TCP (and UDP) GSO
+// super-packets, and may be written the same way. USO (UDP segmentation,
+// Linux 6.2) is optional: older kernels refuse the whole set with EINVAL,
+// and Open then retries without it.
+const (
+	offloadFlags = unix.TUN_F_CSUM | unix.TUN_F_TSO4 | unix.TUN_F_TSO6 | unix.TUN_F_TSO_ECN
+	offloadUSO   = unix.TUN_F_USO4 | unix.TUN_F_USO6
+)
+
+// Device is an open TUN device in IFF_TUN|IFF_NO_PI mode. Each read or
+// write is exactly one IP packet; with offloads (VnetHdrLen() > 0) the
+// packet is preceded by a virtio-net header ([VnetHdr]) and may be a GSO
+// super-packet of up to 64 KiB.
 //
 // Reads and writes go straight to the file descriptor through the Go
 // runtime's poller (no io.Reader copying layer in between), and are safe for
 // concurrent use: the kernel reads and writes whole packets atomically.
 type Device struct {
-	name  string
-	index int
-	mtu   int
-	file  *os.File // keeps the descriptor alive; never read through water
-	raw   syscall.RawConn
+	name     string
+	index    int
+	mtu      int
+	vnet     bool
+	offloads string   // for logs: "csum,tso4,…" or "none"
+	file     *os.File // keeps the descriptor alive; never read through water
+	raw      syscall.RawConn
+	closed   atomic.Bool
+	vecs     sync.Pool // of *vecWriter
 }
 
 // Open creates the TUN device, sets its MTU and queue length and brings it
@@ -69,29 +97,81 @@ func Open(cfg Config) (*Device, error) {
 		}
 	}
 
-	ifce, err := water.New(water.Config{
-		DeviceType:             water.TUN,
-		PlatformSpecificParams: water.PlatformSpecificParams{Name: cfg.Name},
-	})
-	if err != nil {
-		return nil, fmt.Errorf("tun: create %q (is /dev/net/tun present, and are we CAP_NET_ADMIN?): %w", cfg.Name, err)
+	d := &Device{mtu: cfg.MTU, offloads: "none"}
+	if !cfg.NoOffload {
+		f, name, offloads, err := openVnet(cfg.Name)
+		if err == nil {
+			d.file, d.name, d.vnet, d.offloads = f, name, true, offloads
+		} else {
+			cfg.Logger.Warn().Err(err).Str("tun", cfg.Name).
+				Msg("TUN offloads unavailable: one packet per read and write, no TSO/GSO")
+		}
 	}
-	f, ok := ifce.ReadWriteCloser.(*os.File)
-	if !ok {
-		ifce.Close()
-		return nil, fmt.Errorf("tun: water returned %T, want *os.File", ifce.ReadWriteCloser)
+	if d.file == nil {
+		ifce, err := water.New(water.Config{
+			DeviceType:             water.TUN,
+			PlatformSpecificParams: water.PlatformSpecificParams{Name: cfg.Name},
+		})
+		if err != nil {
+			return nil, fmt.Errorf("tun: create %q (is /dev/net/tun present, and are we CAP_NET_ADMIN?): %w", cfg.Name, err)
+		}
+		f, ok := ifce.ReadWriteCloser.(*os.File)
+		if !ok {
+			ifce.Close()
+			return nil, fmt.Errorf("tun: water returned %T, want *os.File", ifce.ReadWriteCloser)
+		}
+		d.file, d.name = f, ifce.Name()
 	}
-	raw, err := f.SyscallConn()
+	raw, err := d.file.SyscallConn()
 	if err != nil {
-		f.Close()
+		d.file.Close()
 		return nil, fmt.Errorf("tun: %q: %w", cfg.Name, err)
 	}
-	d := &Device{name: ifce.Name(), mtu: cfg.MTU, file: f, raw: raw}
+	d.raw = raw
 	if err := d.configure(cfg); err != nil {
 		d.Close()
 		return nil, err
 	}
 	return d, nil
+}
+
+// openVnet creates the TUN with IFF_VNET_HDR and switches its offloads on.
+// water cannot set IFF_VNET_HDR, so this path opens /dev/net/tun itself.
+func openVnet(name string) (f *os.File, ifname, offloads string, err error) {
+	fd, err := unix.Open("/dev/net/tun", unix.O_RDWR|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
+	if err != nil {
+		return nil, "", "", fmt.Errorf("tun: open /dev/net/tun: %w", err)
+	}
+	defer func() {
+		if err != nil {
+			unix.Close(fd)
+		}
+	}()
+	ifr, err := unix.NewIfreq(name)
+	if err != nil {
+		return nil, "", "", fmt.Errorf("tun: interface name %q: %w", name, err)
+	}
+	ifr.SetUint16(unix.IFF_TUN | unix.IFF_NO_PI | unix.IFF_VNET_HDR)
+	if err := unix.IoctlIfreq(fd, unix.TUNSETIFF, ifr); err != nil {
+		return nil, "", "", fmt.Errorf("tun: TUNSETIFF %q with IFF_VNET_HDR: %w", name, err)
+	}
+	if err := unix.IoctlSetPointerInt(fd, unix.TUNSETVNETHDRSZ, VnetHdrLen); err != nil {
+		return nil, "", "", fmt.Errorf("tun: TUNSETVNETHDRSZ %d on %q: %w", VnetHdrLen, name, err)
+	}
+	flags := offloadFlags | offloadUSO
+	if err := unix.IoctlSetInt(fd, unix.TUNSETOFFLOAD, flags); err != nil {
+		flags = offloadFlags
+		if err2 := unix.IoctlSetInt(fd, unix.TUNSETOFFLOAD, flags); err2 != nil {
+			return nil, "", "", fmt.Errorf("tun: TUNSETOFFLOAD %#x on %q: %w (with USO: %v)", flags, name, err2, err)
+		}
+	}
+	offloads = "csum,tso4,tso6,tso-ecn"
+	if flags&offloadUSO != 0 {
+		offloads += ",uso4,uso6"
+	}
+	// O_NONBLOCK makes os.NewFile register the descriptor with the
+	// runtime poller.
+	return os.NewFile(uintptr(fd), "/dev/net/tun"), ifr.Name(), offloads, nil
 }
 
 func (d *Device) configure(cfg Config) error {
@@ -127,39 +207,102 @@ func (d *Device) Index() int { return d.index }
 // MTU returns the link MTU.
 func (d *Device) MTU() int { return d.mtu }
 
-// Read reads one packet into b and returns its length. It blocks (parking
-// the goroutine in the runtime poller, not an OS thread) until a packet is
-// available or the device is closed.
-func (d *Device) Read(b []byte) (int, error) {
-	var n int
-	var rerr error
-	err := d.raw.Read(func(fd uintptr) bool {
-		n, rerr = unix.Read(int(fd), b)
-		return rerr != unix.EAGAIN && rerr != unix.EINTR
-	})
-	if err != nil {
-		return 0, err
+// VnetHdrLen returns the length of the virtio-net header in front of every
+// packet read or written: [VnetHdrLen] with offloads, 0 without.
+func (d *Device) VnetHdrLen() int {
+	if d.vnet {
+		return VnetHdrLen
 	}
-	return n, rerr
+	return 0
 }
 
-// Write writes one packet. The kernel receives it as if it arrived on the
-// TUN interface and routes it on.
-func (d *Device) Write(pkt []byte) (int, error) {
-	var n int
-	var werr error
-	err := d.raw.Write(func(fd uintptr) bool {
-		n, werr = unix.Write(int(fd), pkt)
-		return werr != unix.EAGAIN && werr != unix.EINTR
-	})
-	if err != nil {
-		return 0, err
+// Offloads names the offloads in use, "none" without: for logs.
+func (d *Device) Offloads() string { return d.offloads }
+
+// Read reads one packet (with its virtio-net header when VnetHdrLen() > 0)
+// into b and returns its length. It blocks, parking the goroutine in the
+// runtime poller, not an OS thread, until a packet is available or the
+// device is closed; then it returns an error matching os.ErrClosed.
+// It does not allocate.
+func (d *Device) Read(b []byte) (int, error) {
+	n, err := d.file.Read(b)
+	if err != nil && d.closed.Load() {
+		return 0, os.ErrClosed
 	}
-	return n, werr
+	return n, err
+}
+
+// Write writes one packet (with its virtio-net header when VnetHdrLen() >
+// 0). The kernel receives it as if it arrived on the TUN interface and
+// routes it on. It does not allocate.
+func (d *Device) Write(pkt []byte) (int, error) {
+	n, err := d.file.Write(pkt)
+	if err != nil && d.closed.Load() {
+		return n, os.ErrClosed
+	}
+	return n, err
+}
+
+// Writev writes one packet gathered from bufs (the virtio-net header, if
+// any, in front), with one writev(2).
+func (d *Device) Writev(bufs [][]byte) (int, error) {
+	w, _ := d.vecs.Get().(*vecWriter)
+	if w == nil {
+		w = &vecWriter{}
+		w.fn = w.write
+	}
+	w.iov = w.iov[:0]
+	for _, b := range bufs {
+		if len(b) == 0 {
+			continue
+		}
+		var v unix.Iovec
+		v.Base = &b[0]
+		v.SetLen(len(b))
+		w.iov = append(w.iov, v)
+	}
+	var n int
+	var err error
+	if len(w.iov) > 0 {
+		err = d.raw.Write(w.fn)
+		n, err = w.n, errors.Join(err, w.err)
+	}
+	clear(w.iov) // drop the references to bufs
+	w.n, w.err = 0, nil
+	d.vecs.Put(w)
+	if err != nil && d.closed.Load() {
+		return n, os.ErrClosed
+	}
+	return n, err
+}
+
+// vecWriter is one Writev's state, pooled so that the callback handed to
+// the runtime poller is not allocated per packet.
+type vecWriter struct {
+	iov []unix.Iovec
+	n   int
+	err error
+	fn  func(fd uintptr) bool // w.write, bound once
+}
+
+func (w *vecWriter) write(fd uintptr) bool {
+	r, _, e := unix.Syscall(unix.SYS_WRITEV, fd, uintptr(unsafe.Pointer(&w.iov[0])), uintptr(len(w.iov)))
+	switch e {
+	case unix.EAGAIN:
+		return false // wait until writable
+	case unix.EINTR:
+		return w.write(fd)
+	case 0:
+		w.n, w.err = int(r), nil
+	default:
+		w.n, w.err = 0, e
+	}
+	return true
 }
 
 // Close closes the descriptor, which removes the (non-persistent) device and
-// every route through it. Blocked reads return an error.
+// every route through it. Blocked reads return os.ErrClosed.
 func (d *Device) Close() error {
+	d.closed.Store(true)
 	return d.file.Close()
 }

@@ -1,0 +1,202 @@
+package stack
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"runtime"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/rs/zerolog"
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+
+	"github.com/meshtun/meshtun/stack/classify"
+	"github.com/meshtun/meshtun/tun"
+)
+
+// gsoCounter wraps the TUN device and counts the GSO super-packets that
+// cross it in each direction.
+type gsoCounter struct {
+	*tun.Device
+	in, out atomic.Int64
+}
+
+func (d *gsoCounter) Read(b []byte) (int, error) {
+	n, err := d.Device.Read(b)
+	if err == nil && d.VnetHdrLen() > 0 {
+		var vh tun.VnetHdr
+		if vh.Decode(b[:n]) == nil && vh.IsGSO() {
+			d.in.Add(1)
+		}
+	}
+	return n, err
+}
+
+func (d *gsoCounter) Writev(bufs [][]byte) (int, error) {
+	if d.VnetHdrLen() > 0 && len(bufs) > 0 {
+		var vh tun.VnetHdr
+		if vh.Decode(bufs[0]) == nil && vh.IsGSO() {
+			d.out.Add(1)
+		}
+	}
+	return d.Device.Writev(bufs)
+}
+
+// TestKernelTCP runs the stack on a real TUN in a network namespace of its
+// own, with and without offloads, and moves 16 MiB each way between a
+// kernel TCP socket and the netstack, over IPv4 and IPv6: byte-exact, and
+// with offloads as GSO super-packets in both directions (the kernel's TSO
+// into the netstack, the netstack's GSO out).
+func TestKernelTCP(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Fatal("TestKernelTCP needs root (CAP_SYS_ADMIN for a network namespace, CAP_NET_ADMIN and /dev/net/tun for the TUN)")
+	}
+	for _, offload := range []bool{true, false} {
+		for _, v6 := range []bool{false, true} {
+			name := fmt.Sprintf("offload=%v/ipv6=%v", offload, v6)
+			t.Run(name, func(t *testing.T) { kernelTCP(t, offload, v6) })
+		}
+	}
+}
+
+func kernelTCP(t *testing.T, offload, v6 bool) {
+	// This goroutine's thread moves into a new network namespace and,
+	// still locked, ends with the goroutine: nothing else ever runs in
+	// that namespace, and nothing leaves it.
+	runtime.LockOSThread()
+	if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
+		t.Fatalf("unshare network namespace: %v", err)
+	}
+	lo, err := netlink.LinkByName("lo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := netlink.LinkSetUp(lo); err != nil {
+		t.Fatal(err)
+	}
+	raw, err := tun.Open(tun.Config{Name: "mttest0", NoOffload: !offload})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := raw.VnetHdrLen() > 0; got != offload {
+		t.Fatalf("offloads on: %v, want %v (%s)", got, offload, raw.Offloads())
+	}
+	dev := &gsoCounter{Device: raw}
+	local, remote := netip.MustParseAddr("10.9.0.1"), netip.MustParseAddr("10.9.1.2")
+	prefix := netip.MustParsePrefix("10.9.1.0/24")
+	if v6 {
+		local, remote = netip.MustParseAddr("fd00:9::1"), netip.MustParseAddr("fd00:9:1::2")
+		prefix = netip.MustParsePrefix("fd00:9:1::/64")
+	}
+	addr := &netlink.Addr{IPNet: &net.IPNet{IP: local.AsSlice(), Mask: net.CIDRMask(local.BitLen(), local.BitLen())}, Flags: unix.IFA_F_NODAD}
+	if err := netlink.AddrAdd(lo, addr); err != nil {
+		t.Fatalf("address %s on lo: %v", local, err)
+	}
+	if err := netlink.RouteAdd(&netlink.Route{
+		LinkIndex: raw.Index(), Dst: &net.IPNet{IP: prefix.Addr().AsSlice(), Mask: net.CIDRMask(prefix.Bits(), prefix.Addr().BitLen())},
+		Src: local.AsSlice(),
+	}); err != nil {
+		t.Fatalf("route %s via the TUN: %v", prefix, err)
+	}
+
+	const size = 16 << 20
+	pattern := func(i int) byte { return byte(i*31 + i>>9) }
+	cls := classify.New(classify.Config{Policy: classify.PolicyFunc(func(_, dst netip.AddrPort) bool { return dst.Port() == 80 })})
+	st, err := New(Config{
+		Device: dev, Classifier: cls, Logger: zerolog.Nop(),
+		HandleTCP: func(req *TCPRequest) {
+			c, err := req.Accept()
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			defer c.Close()
+			var cmd [1]byte
+			if _, err := io.ReadFull(c, cmd[:]); err != nil {
+				t.Error(err)
+				return
+			}
+			switch cmd[0] {
+			case 'U': // upload: sum what arrives, answer with the sum
+				h := sha256.New()
+				if _, err := io.Copy(h, c); err != nil {
+					t.Errorf("netstack reading the upload: %v", err)
+				}
+				c.Write(h.Sum(nil))
+			case 'D': // download: send the pattern
+				b := make([]byte, size)
+				for i := range b {
+					b[i] = pattern(i)
+				}
+				if _, err := c.Write(b); err != nil {
+					t.Errorf("netstack sending the download: %v", err)
+				}
+			}
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { raw.Close(); st.Close() }()
+
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	dial := func() *net.TCPConn {
+		var d net.Dialer
+		c, err := d.DialContext(ctx, "tcp", netip.AddrPortFrom(remote, 80).String())
+		if err != nil {
+			t.Fatalf("kernel socket connecting through the TUN: %v", err)
+		}
+		c.SetDeadline(time.Now().Add(30 * time.Second))
+		return c.(*net.TCPConn)
+	}
+
+	up := make([]byte, size)
+	for i := range up {
+		up[i] = pattern(i + 7)
+	}
+	c := dial()
+	if _, err := c.Write(append([]byte{'U'}, up...)); err != nil {
+		t.Fatalf("upload: %v", err)
+	}
+	c.CloseWrite()
+	sum, err := io.ReadAll(c)
+	c.Close()
+	want := sha256.Sum256(up)
+	if err != nil || !bytes.Equal(sum, want[:]) {
+		t.Fatalf("upload: the netstack received other bytes than sent (sum %x, %v)", sum, err)
+	}
+
+	c = dial()
+	c.Write([]byte{'D'})
+	got, err := io.ReadAll(c)
+	c.Close()
+	if err != nil || len(got) != size {
+		t.Fatalf("download: %d bytes, %v; want %d", len(got), err, size)
+	}
+	for i := range got {
+		if got[i] != pattern(i) {
+			t.Fatalf("download: byte %d differs", i)
+		}
+	}
+
+	in, out := dev.in.Load(), dev.out.Load()
+	t.Logf("GSO packets into the netstack %d, out of it %d; stats %+v", in, out, st.Stats())
+	if offload && (in == 0 || out == 0) {
+		t.Fatalf("with offloads, want GSO packets both ways; got %d in, %d out", in, out)
+	}
+	if !offload && in+out != 0 {
+		t.Fatalf("without offloads, got GSO packets (%d in, %d out)", in, out)
+	}
+	if c := st.Stats(); c.BadChecksums != 0 || c.Drops != 0 {
+		t.Fatalf("counters %+v", c)
+	}
+}
