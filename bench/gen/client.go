@@ -386,11 +386,19 @@ type Idle struct {
 	conns []net.Conn
 }
 
-// Len returns the number of connections.
-func (s *Idle) Len() int { return len(s.conns) }
+// Len returns the number of connections; 0 for a nil set.
+func (s *Idle) Len() int {
+	if s == nil {
+		return 0
+	}
+	return len(s.conns)
+}
 
-// Close closes every connection.
+// Close closes every connection; a nil set has none.
 func (s *Idle) Close() error {
+	if s == nil {
+		return nil
+	}
 	closeAll(s.conns)
 	s.conns = nil
 	return nil
@@ -399,16 +407,18 @@ func (s *Idle) Close() error {
 // idleWorkers is how many connections OpenIdle opens at once.
 const idleWorkers = 4
 
-// OpenIdle opens n more connections from ns to srv's Hold service, adding
-// them to set (a new set if nil), and returns once the server holds all of
-// them: only then does every proxy on the way carry them. On error the
-// connections opened by this call are closed.
-func OpenIdle(ctx context.Context, ns Netns, srv *Server, set *Idle, n int) (*Idle, error) {
+// OpenIdle opens n more connections from ns to h, adding them to set (a
+// new set if nil), and returns once h holds all of them: only then does
+// every proxy on the way carry them. On error the connections opened by
+// this call are closed.
+func OpenIdle(ctx context.Context, ns Netns, h Holder, set *Idle, n int) (*Idle, error) {
 	if set == nil {
 		set = &Idle{}
 	}
-	before := srv.Held()
-	want := before + n
+	before, err := h.Held(ctx)
+	if err != nil {
+		return set, err
+	}
 	var (
 		mu    sync.Mutex
 		added []net.Conn
@@ -421,7 +431,7 @@ func OpenIdle(ctx context.Context, ns Netns, srv *Server, set *Idle, n int) (*Id
 		wg.Go(func() {
 			errs[w] = ns.Do(func() error {
 				for left.Add(-1) >= 0 {
-					c, err := dial(ctx, "tcp", srv.Hold)
+					c, err := dial(ctx, "tcp", h.Addr())
 					if err != nil {
 						return err
 					}
@@ -436,11 +446,11 @@ func OpenIdle(ctx context.Context, ns Netns, srv *Server, set *Idle, n int) (*Id
 	wg.Wait()
 	if err := errors.Join(errs...); err != nil {
 		closeAll(added)
-		return set, fmt.Errorf("gen: open idle connection %d of %d to %s: %w", len(added)+1, n, srv.Hold, err)
+		return set, fmt.Errorf("gen: open idle connection %d of %d to %s: %w", len(added)+1, n, h.Addr(), err)
 	}
-	if err := srv.WaitHeld(ctx, want); err != nil {
+	if err := h.WaitHeld(ctx, before+n); err != nil {
 		closeAll(added)
-		return set, fmt.Errorf("gen: %d connections to %s opened, the server holds %d of %d: %w", n, srv.Hold, srv.Held()-before, n, err)
+		return set, fmt.Errorf("gen: %d connections to %s opened, not all held: %w", n, h.Addr(), err)
 	}
 	set.conns = append(set.conns, added...)
 	return set, nil

@@ -2,7 +2,10 @@ package gen
 
 import (
 	"context"
+	"io"
+	"net"
 	"net/netip"
+	"strings"
 	"testing"
 	"time"
 )
@@ -142,11 +145,11 @@ func TestUDPResultMath(t *testing.T) {
 
 func TestOpenIdleHeldByServer(t *testing.T) {
 	srv := serveLoopback(t)
-	set, err := OpenIdle(t.Context(), here{}, srv, nil, 30)
+	set, err := OpenIdle(t.Context(), here{}, srv.Holder(), nil, 30)
 	if err != nil {
 		t.Fatal(err)
 	}
-	set, err = OpenIdle(t.Context(), here{}, srv, set, 20)
+	set, err = OpenIdle(t.Context(), here{}, srv.Holder(), set, 20)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -158,5 +161,59 @@ func TestOpenIdleHeldByServer(t *testing.T) {
 	defer cancel()
 	if err := srv.WaitIdle(ctx); err != nil {
 		t.Errorf("server still holds %d after Close: %v", srv.Held(), err)
+	}
+}
+
+func TestHoldProtocol(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The serving side reads commands from one pipe and answers on another,
+	// as a child process would on its stdin and stdout.
+	cmdR, cmdW := io.Pipe()
+	outR, outW := io.Pipe()
+	served := make(chan error, 1)
+	go func() {
+		served <- ServeHold(ln, cmdR, outW)
+		outW.Close()
+	}()
+	h, err := DialHolder(cmdW, outR)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if h.Addr() != ln.Addr().(*net.TCPAddr).AddrPort() {
+		t.Errorf("holder address %v, listener %v", h.Addr(), ln.Addr())
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	set, err := OpenIdle(ctx, here{}, h, nil, 25)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n, err := h.Held(ctx); err != nil || n != 25 {
+		t.Fatalf("held %d, %v; want 25", n, err)
+	}
+	set.Close()
+	cmdW.Close() // end of input: the server closes everything and returns
+	if err := <-served; err != nil {
+		t.Errorf("ServeHold: %v", err)
+	}
+}
+
+func TestHoldProtocolErrors(t *testing.T) {
+	if _, err := DialHolder(io.Discard, strings.NewReader("hello\n")); err == nil {
+		t.Error("DialHolder accepted a server that did not say ready")
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out strings.Builder
+	if err := ServeHold(ln, strings.NewReader("jump 3\n"), &out); err == nil {
+		t.Error("ServeHold accepted an unknown command")
+	}
+	if !strings.HasPrefix(out.String(), "ready 127.0.0.1:") {
+		t.Errorf("ServeHold said %q first, want ready <addr>", out.String())
 	}
 }

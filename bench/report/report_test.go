@@ -34,6 +34,8 @@ func sample() *Result {
 				}},
 			{ID: "cpu", Title: "CPU per GB", Unit: "s/GB", Better: Lower, Chart: "CPU & memory <cost>",
 				Values: map[string]Value{"mesh": NewValue([]float64{4})}},
+			{ID: "loss", Title: "UDP loss", Unit: "%", Better: Lower,
+				Values: map[string]Value{"direct": NewValue([]float64{0}), "mesh": NewValue([]float64{2})}},
 		},
 		Errors: []string{"peer/rr: connection refused"},
 	}
@@ -97,6 +99,12 @@ func TestTable(t *testing.T) {
 	} {
 		if !strings.Contains(out, want) {
 			t.Errorf("table lacks %q:\n%s", want, out)
+		}
+	}
+	// Percentages get no ratio rows.
+	for i, l := range lines {
+		if strings.HasPrefix(l, "UDP loss") && i+1 < len(lines) && strings.HasPrefix(lines[i+1], "  vs") {
+			t.Errorf("ratio row under a percentage: %q", lines[i+1])
 		}
 	}
 	// Columns line up: every cell of a column starts at the same rune
@@ -225,5 +233,30 @@ func TestWriteCharts(t *testing.T) {
 		if !strings.Contains(string(idx), want) {
 			t.Errorf("index.html lacks %q", want)
 		}
+	}
+}
+
+func TestSVGAxisEndsAtANiceStepAboveTheData(t *testing.T) {
+	r := sample()
+	r.Metrics = []Metric{{ID: "x", Title: "x", Unit: "µs", Better: Lower, Chart: "c",
+		Values: map[string]Value{"direct": NewValue([]float64{2816, 2000})}}}
+	cs, _ := Charts(r)
+	var buf bytes.Buffer
+	if err := WriteSVG(&buf, r, cs[0]); err != nil {
+		t.Fatal(err)
+	}
+	var doc svgDoc
+	if err := xml.Unmarshal(buf.Bytes(), &doc); err != nil {
+		t.Fatal(err)
+	}
+	// Data up to 2816: steps of 1000, axis to 3000 (not 5000).
+	joined := "|" + strings.Join(doc.Texts, "|") + "|"
+	for _, want := range []string{"|0|", "|1000|", "|3000|"} {
+		if !strings.Contains(joined, want) {
+			t.Errorf("axis lacks %s: %s", want, joined)
+		}
+	}
+	if strings.Contains(joined, "|4000|") {
+		t.Errorf("axis runs past 3000: %s", joined)
 	}
 }

@@ -8,6 +8,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 )
 
@@ -99,7 +100,11 @@ func WriteSVG(w io.Writer, r *Result, c Chart) error {
 			}
 		}
 	}
-	ymax := niceCeil(top)
+	step := niceCeil(top / 5)
+	ymax := step * math.Ceil(top/step*(1-1e-9))
+	if ymax <= 0 {
+		ymax = step
+	}
 	y := func(v float64) float64 { return marginTop + plotH - v/ymax*plotH }
 
 	var b strings.Builder
@@ -114,11 +119,11 @@ func WriteSVG(w io.Writer, r *Result, c Chart) error {
 	fmt.Fprintf(&b, `<text x="%d" y="40" fill="#555">%s · median of %d repetition(s), whiskers min–max · %s</text>`+"\n",
 		marginL, esc(c.Unit), r.Repetitions, esc(better))
 	// Axis and grid.
-	for i := 0; i <= 5; i++ {
-		v := ymax * float64(i) / 5
+	for i := 0; float64(i)*step <= ymax*(1+1e-9); i++ {
+		v := float64(i) * step
 		yy := y(v)
 		fmt.Fprintf(&b, `<line x1="%d" x2="%d" y1="%.1f" y2="%.1f" stroke="#e4e4e4"/>`+"\n", marginL, width-marginR, yy, yy)
-		fmt.Fprintf(&b, `<text x="%d" y="%.1f" text-anchor="end" fill="#555">%s</text>`+"\n", marginL-6, yy+4, esc(Num(v)))
+		fmt.Fprintf(&b, `<text x="%d" y="%.1f" text-anchor="end" fill="#555">%s</text>`+"\n", marginL-6, yy+4, strconv.FormatFloat(v, 'g', 6, 64))
 	}
 	fmt.Fprintf(&b, `<line x1="%d" x2="%d" y1="%.1f" y2="%.1f" stroke="#333"/>`+"\n", marginL, width-marginR, y(0), y(0))
 	for gi, m := range c.Metrics {

@@ -11,7 +11,8 @@ import (
 // WriteTable writes r as a text table: one row per metric with each path's
 // median and (min–max) range, and under it each path's ratio to the
 // baseline and to the peer (value ÷ reference; for latencies the added
-// time too). Paths are columns, in r.Paths order.
+// time too; none for percentages such as loss, whose ratios mean
+// nothing). Paths are columns, in r.Paths order.
 func WriteTable(w io.Writer, r *Result) error {
 	peer := r.Peer()
 	header := []string{"metric"}
@@ -27,7 +28,7 @@ func WriteTable(w io.Writer, r *Result) error {
 		}
 		rows = append(rows, row)
 		for _, ref := range []string{r.Baseline, peer} {
-			if ref == "" {
+			if ref == "" || m.Unit == "%" {
 				continue
 			}
 			row := []string{"  vs " + ref}
