@@ -1,0 +1,107 @@
+package bench
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/meshtun/meshtun/bench/report"
+)
+
+func TestPlan(t *testing.T) {
+	full, quick := newPlan(Options{}), newPlan(Options{Quick: true})
+	if full.reps < 3 || quick.reps < 2 {
+		t.Errorf("repetitions: full %d, quick %d; want several (≥3) and at least 2", full.reps, quick.reps)
+	}
+	if quick.tcp >= full.tcp || len(quick.idle) >= len(full.idle) {
+		t.Errorf("quick is not shorter: %+v vs %+v", quick, full)
+	}
+	if full.idle[0] != 1000 || full.idle[len(full.idle)-1] != 10000 {
+		t.Errorf("full idle steps %v, want 1,000 and 10,000", full.idle)
+	}
+	if got := newPlan(Options{Repetitions: 7}).reps; got != 7 {
+		t.Errorf("Repetitions 7 gave %d", got)
+	}
+	// 300 Mbit/s of 1200-byte datagrams is 31,250 per second.
+	if r := full.udpRate(); r != 31250 {
+		t.Errorf("udpRate = %v, want 31250", r)
+	}
+}
+
+func TestMetricDefs(t *testing.T) {
+	pl := newPlan(Options{})
+	ms := metricDefs(pl)
+	seen := map[string]bool{}
+	for _, m := range ms {
+		if seen[m.ID] {
+			t.Errorf("metric %s twice", m.ID)
+		}
+		seen[m.ID] = true
+		if m.Title == "" || m.Unit == "" || (m.Better != report.Higher && m.Better != report.Lower) || m.Chart == "" {
+			t.Errorf("metric %s incomplete: %+v", m.ID, m)
+		}
+	}
+	for _, id := range []string{mTCPUp1, mTCPDown4, mRRp99, mCRRRate, mUDPPPS, mUDPMaxPPS, mCPUPerGB, mPeak, "idle_conn_kib_1000", "idle_conn_kib_10000"} {
+		if !seen[id] {
+			t.Errorf("no metric %s", id)
+		}
+	}
+	// Every chart mixes only one unit.
+	if _, err := report.Charts(&report.Result{Metrics: ms}); err != nil {
+		t.Error(err)
+	}
+	if got := thousands(10000); got != "10,000" {
+		t.Errorf("thousands(10000) = %q", got)
+	}
+	if got := thousands(999); got != "999" {
+		t.Errorf("thousands(999) = %q", got)
+	}
+}
+
+func TestProgressPlainLines(t *testing.T) {
+	var b strings.Builder
+	p := NewProgress(&b, false)
+	clock := time.Unix(0, 0)
+	p.start, p.now = clock, func() time.Time { return clock }
+	p.setTotal(4)
+	p.step("warm-up · direct")
+	clock = clock.Add(10 * time.Second)
+	p.step("rep 1/2 · TCP → 1 stream · mesh")
+	p.note("bench: failed: x")
+	p.finish()
+	want := "[1/4] 0:00 · warm-up · direct\n" +
+		"[2/4] 0:10, ~0:30 left · rep 1/2 · TCP → 1 stream · mesh\n" +
+		"bench: failed: x\n"
+	if b.String() != want {
+		t.Errorf("plain progress:\n%q\nwant\n%q", b.String(), want)
+	}
+}
+
+func TestProgressLiveRedrawsOneLine(t *testing.T) {
+	var b strings.Builder
+	p := NewProgress(&b, true)
+	p.setTotal(2)
+	p.step("a long first step")
+	p.step("short")
+	out := b.String()
+	if strings.Contains(out, "\n") {
+		t.Errorf("live progress wrote a newline: %q", out)
+	}
+	if strings.Count(out, "\r") != 2 {
+		t.Errorf("live progress: %q, want one carriage return per step", out)
+	}
+	// The shorter line blanks what is left of the longer one.
+	last := out[strings.LastIndex(out, "\r")+1:]
+	first := out[1:strings.LastIndex(out, "\r")]
+	if len([]rune(last)) < len([]rune(first)) {
+		t.Errorf("second line %q does not cover the first %q", last, first)
+	}
+	p.note("kept")
+	if !strings.HasSuffix(b.String(), "\rkept\n") {
+		t.Errorf("note after a live line: %q", b.String())
+	}
+	var nilP *Progress
+	nilP.step("nothing") // a nil Progress reports nothing and does not panic
+	nilP.note("nothing")
+	nilP.finish()
+}
