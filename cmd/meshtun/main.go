@@ -21,6 +21,7 @@ const usage = `usage: meshtun <command> [flags]
 
 commands:
   node      run the node proxy in the current network namespace
+  bench     measure meshtun's data paths side by side (root; see -h)
   version   print the version
 
 Run "meshtun <command> -h" for a command's flags.
@@ -40,6 +41,8 @@ func main() {
 		err = runNode(ctx, args)
 	case "demo":
 		err = runDemo(ctx, args)
+	case "bench":
+		err = runBench(ctx, args)
 	case "version":
 		fmt.Println(version())
 	case "-h", "-help", "--help", "help":
