@@ -24,23 +24,23 @@ const readyTimeout = 30 * time.Second
 const keptLines = 40
 
 // startLogged starts name in n's namespace with stdout and stderr on one
-// pipe, waits for a line that ready accepts and returns the process ID.
+// pipe, waits for a line that ready accepts and returns the process.
 // Later output is read and discarded, so a proxy that logs every
 // connection (both meshtun and tun2socks do at their default level) never
 // blocks on a full pipe, and the benchmark does not spend its CPU parsing
 // logs. The cluster stops the process on Close.
-func startLogged(ctx context.Context, n *cluster.Node, ready func(line []byte) bool, name string, args ...string) (int, error) {
+func startLogged(ctx context.Context, n *cluster.Node, ready func(line []byte) bool, name string, args ...string) (*cluster.Proc, error) {
 	cmd := n.Command(context.WithoutCancel(ctx), name, args...)
 	pr, pw, err := os.Pipe()
 	if err != nil {
-		return 0, fmt.Errorf("topo: start %s in %s: %w", name, n.Name(), err)
+		return nil, fmt.Errorf("topo: start %s in %s: %w", name, n.Name(), err)
 	}
 	cmd.Stdout, cmd.Stderr = pw, pw
 	proc, err := n.Start(cmd)
 	pw.Close() // the child has its own copy; EOF on pr once it exits
 	if err != nil {
 		pr.Close()
-		return 0, fmt.Errorf("topo: start %s in %s: %w", name, n.Name(), err)
+		return nil, fmt.Errorf("topo: start %s in %s: %w", name, n.Name(), err)
 	}
 	type outcome struct {
 		ready bool
@@ -67,16 +67,16 @@ func startLogged(ctx context.Context, n *cluster.Node, ready func(line []byte) b
 	}()
 	t := time.NewTimer(readyTimeout)
 	defer t.Stop()
-	fail := func(why string, kept []string) (int, error) {
+	fail := func(why string, kept []string) (*cluster.Proc, error) {
 		proc.Stop(time.Second)
-		return 0, fmt.Errorf("topo: %s in %s %s; its last lines:\n%s", name, n.Name(), why, strings.Join(kept, "\n"))
+		return nil, fmt.Errorf("topo: %s in %s %s; its last lines:\n%s", name, n.Name(), why, strings.Join(kept, "\n"))
 	}
 	select {
 	case o := <-found:
 		if !o.ready {
 			return fail(fmt.Sprintf("exited (%v) before it was ready", proc.Wait()), o.kept)
 		}
-		return cmd.Process.Pid, nil
+		return proc, nil
 	case <-t.C:
 		return fail(fmt.Sprintf("not ready within %v", readyTimeout), nil)
 	case <-ctx.Done():
@@ -86,7 +86,7 @@ func startLogged(ctx context.Context, n *cluster.Node, ready func(line []byte) b
 
 // startMeshtun runs `meshtun node --node <n> <args>` in n's namespace and
 // waits for its ready message.
-func startMeshtun(ctx context.Context, bin string, n *cluster.Node, args ...string) (int, error) {
+func startMeshtun(ctx context.Context, bin string, n *cluster.Node, args ...string) (*cluster.Proc, error) {
 	args = append(append([]string{"node"}, noderun.Args(n)...), args...)
 	return startLogged(ctx, n, func(line []byte) bool {
 		if !bytes.Contains(line, []byte(node.ReadyMessage)) {

@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"time"
 
 	"github.com/rs/zerolog"
 
@@ -30,8 +31,11 @@ const (
 type Proxy struct {
 	// Name says what runs where, e.g. "meshtun n7".
 	Name string
-	// Pid is the process ID, for /proc.
+	// Pid is the process ID, for /proc; Restart changes it.
 	Pid int
+
+	proc  *cluster.Proc
+	start func(context.Context) (*cluster.Proc, error)
 }
 
 // Path is one way from a source pod to a destination pod.
@@ -161,21 +165,59 @@ func (t *Topology) build(ctx context.Context, spec Spec, ps []pathPlan) error {
 		case Mesh:
 			nodes = []*cluster.Node{p.Src.Node, p.Dst.Node}
 		case Tun2socks:
-			pid, err := startTun2socks(ctx, spec.Tun2socks, p.Src, t.log)
-			if err != nil {
-				return err
-			}
-			p.Proxies = append(p.Proxies, Proxy{Name: "tun2socks " + noderun.NodeName(p.Src.Node), Pid: pid})
+			src := p.Src
+			p.Proxies = append(p.Proxies, Proxy{
+				Name: "tun2socks " + noderun.NodeName(src.Node),
+				start: func(ctx context.Context) (*cluster.Proc, error) {
+					return startTun2socks(ctx, spec.Tun2socks, src, t.log)
+				},
+			})
 		}
 		for _, n := range nodes {
 			args := append([]string{"--config", t.ConfigPath, "--log-level", spec.LogLevel}, extra...)
-			pid, err := startMeshtun(ctx, spec.Meshtun, n, args...)
-			if err != nil {
+			p.Proxies = append(p.Proxies, Proxy{
+				Name: "meshtun " + noderun.NodeName(n),
+				start: func(ctx context.Context) (*cluster.Proc, error) {
+					return startMeshtun(ctx, spec.Meshtun, n, args...)
+				},
+			})
+		}
+		for i := range p.Proxies {
+			if err := p.Proxies[i].run(ctx); err != nil {
 				return err
 			}
-			p.Proxies = append(p.Proxies, Proxy{Name: "meshtun " + noderun.NodeName(n), Pid: pid})
 		}
 		t.log.Debug().Str("path", p.Name).Str("src", p.Src.ID).Str("dst", p.Dst.ID).Msg("topo: path ready")
+	}
+	return nil
+}
+
+func (x *Proxy) run(ctx context.Context) error {
+	proc, err := x.start(ctx)
+	if err != nil {
+		return err
+	}
+	x.proc, x.Pid = proc, proc.Cmd.Process.Pid
+	return nil
+}
+
+// stopGrace is how long a proxy gets to exit after SIGTERM.
+const stopGrace = 5 * time.Second
+
+// Restart stops the proxies of path p and starts them again, fresh: for
+// measurements that must not see what earlier traffic left in a process
+// (its peak memory, its heap). Connections through p break.
+func (t *Topology) Restart(ctx context.Context, p *Path) error {
+	for i := range p.Proxies {
+		x := &p.Proxies[i]
+		if err := x.proc.Stop(stopGrace); err != nil {
+			return fmt.Errorf("topo: stop %s: %w", x.Name, err)
+		}
+	}
+	for i := range p.Proxies {
+		if err := p.Proxies[i].run(ctx); err != nil {
+			return err
+		}
 	}
 	return nil
 }

@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"time"
 
 	"github.com/rs/zerolog"
 	"github.com/vishvananda/netlink"
@@ -97,22 +98,26 @@ func findGo() (string, error) {
 // filtering off on it, and the same policy rules and table (see
 // tun.InstallRouting): packets from src's link and to src's addresses go
 // to the TUN, what the TUN or the node itself sends does not.
-func startTun2socks(ctx context.Context, bin string, src *cluster.Pod, log zerolog.Logger) (int, error) {
+func startTun2socks(ctx context.Context, bin string, src *cluster.Pod, log zerolog.Logger) (*cluster.Proc, error) {
 	n := src.Node
-	pid, err := startLogged(ctx, n, func(line []byte) bool {
+	proc, err := startLogged(ctx, n, func(line []byte) bool {
 		return bytes.Contains(line, []byte("[STACK]"))
 	}, bin, "-device", "tun://"+tun2socksDev, "-proxy", "direct://", "-loglevel", "info")
 	if err != nil {
-		return 0, err
+		return nil, err
+	}
+	fail := func(err error) (*cluster.Proc, error) {
+		proc.Stop(time.Second)
+		return nil, fmt.Errorf("topo: tun2socks on %s: %w", n.Name(), err)
 	}
 	if err := n.SetSysctl("net/ipv4/conf/"+tun2socksDev+"/rp_filter", "0"); err != nil {
-		return 0, fmt.Errorf("topo: tun2socks: %w", err)
+		return fail(err)
 	}
 	if v, err := n.Sysctl("net.ipv4.conf.all.rp_filter"); err != nil {
-		return 0, fmt.Errorf("topo: tun2socks: %w", err)
+		return fail(err)
 	} else if v == "1" {
 		if err := n.SetSysctl("net.ipv4.conf.all.rp_filter", "2"); err != nil {
-			return 0, fmt.Errorf("topo: tun2socks: %w", err)
+			return fail(err)
 		}
 	}
 	err = n.Do(func() error {
@@ -130,13 +135,18 @@ func startTun2socks(ctx context.Context, bin string, src *cluster.Pod, log zerol
 		if err := netlink.LinkSetUp(link); err != nil {
 			return fmt.Errorf("bring %s up: %w", tun2socksDev, err)
 		}
+		// A restart finds the rules of the previous run (the routes went
+		// with its device).
+		if err := tun.RemoveStale(tun.DefaultTable); err != nil {
+			return err
+		}
 		return captureRules(link.Attrs().Index, src)
 	})
 	if err != nil {
-		return 0, fmt.Errorf("topo: tun2socks on %s: %w", n.Name(), err)
+		return fail(err)
 	}
-	log.Debug().Int("pid", pid).Str("node", n.Name()).Msg("topo: tun2socks ready")
-	return pid, nil
+	log.Debug().Int("pid", proc.Cmd.Process.Pid).Str("node", n.Name()).Msg("topo: tun2socks ready")
+	return proc, nil
 }
 
 // captureRules installs, in the current namespace, the routes and rules
