@@ -20,6 +20,8 @@ const (
 	mCRRp50     = "crr_p50"
 	mCRRp90     = "crr_p90"
 	mCRRp99     = "crr_p99"
+	mUDPSent    = "udp_sent_kpps"
+	mUDPMaxSent = "udp_max_sent_kpps"
 	mUDPPPS     = "udp_pps"
 	mUDPLoss    = "udp_loss"
 	mUDPMaxPPS  = "udp_max_pps"
@@ -48,7 +50,7 @@ const (
 	chRR         = "Request/response latency (64 B)"
 	chCRR        = "Connect + request + close latency"
 	chCRRRate    = "Connect + request + close rate"
-	chUDP        = "UDP received rate"
+	chUDP        = "UDP rate"
 	chUDPLoss    = "UDP loss"
 	chCPU        = "Proxy CPU per GB moved"
 	chMem        = "Proxy memory"
@@ -72,10 +74,12 @@ func metricDefs(pl plan) []report.Metric {
 		{ID: mCRRp50, Title: "connect+request+close p50", Label: "p50", Unit: "µs", Better: report.Lower, Chart: chCRR},
 		{ID: mCRRp90, Title: "connect+request+close p90", Label: "p90", Unit: "µs", Better: report.Lower, Chart: chCRR},
 		{ID: mCRRp99, Title: "connect+request+close p99", Label: "p99", Unit: "µs", Better: report.Lower, Chart: chCRR},
-		{ID: mUDPPPS, Title: "UDP received at " + offered, Label: offered, Unit: "kpps", Better: report.Higher, Chart: chUDP},
-		{ID: mUDPLoss, Title: "UDP loss at " + offered, Label: offered, Unit: "%", Better: report.Lower, Chart: chUDPLoss},
-		{ID: mUDPMaxPPS, Title: "UDP received, unpaced " + report.Num(float64(udpSize)) + " B", Label: "unpaced", Unit: "kpps", Better: report.Higher, Chart: chUDP},
-		{ID: mUDPMaxLoss, Title: "UDP loss, unpaced", Label: "unpaced", Unit: "%", Better: report.Lower, Chart: chUDPLoss},
+		{ID: mUDPSent, Title: "UDP sent, offered " + offered + " (the socket may push back)", Label: "sent, paced", Unit: "kpps", Better: report.Higher, Chart: chUDP},
+		{ID: mUDPPPS, Title: "UDP received, offered " + offered, Label: "received, paced", Unit: "kpps", Better: report.Higher, Chart: chUDP},
+		{ID: mUDPLoss, Title: "UDP loss of sent, offered " + offered, Label: offered, Unit: "%", Better: report.Lower, Chart: chUDPLoss},
+		{ID: mUDPMaxSent, Title: "UDP sent, unpaced " + report.Num(float64(udpSize)) + " B", Label: "sent, unpaced", Unit: "kpps", Better: report.Higher, Chart: chUDP},
+		{ID: mUDPMaxPPS, Title: "UDP received, unpaced " + report.Num(float64(udpSize)) + " B", Label: "received, unpaced", Unit: "kpps", Better: report.Higher, Chart: chUDP},
+		{ID: mUDPMaxLoss, Title: "UDP loss of sent, unpaced", Label: "unpaced", Unit: "%", Better: report.Lower, Chart: chUDPLoss},
 		{ID: mCPUPerGB, Title: "proxy CPU per GB moved (all TCP runs)", Label: "TCP runs", Unit: "CPU s/GB", Better: report.Lower, Chart: chCPU},
 		{ID: mRSSIdle, Title: "proxy RSS at start, idle (largest proxy)", Label: "RSS at start", Unit: "MiB", Better: report.Lower, Chart: chMem},
 		{ID: mPeak, Title: "proxy peak memory, VmHWM (largest proxy)", Label: "peak (VmHWM)", Unit: "MiB", Better: report.Lower, Chart: chMem},

@@ -338,6 +338,7 @@ func scenarioList(pl plan) []scenario {
 			if err != nil {
 				return err
 			}
+			l.add(mUDPSent, r.SentPPS()/1000)
 			l.add(mUDPPPS, r.PPS()/1000)
 			l.add(mUDPLoss, r.Loss()*100)
 			return nil
@@ -347,6 +348,7 @@ func scenarioList(pl plan) []scenario {
 			if err != nil {
 				return err
 			}
+			l.add(mUDPMaxSent, r.SentPPS()/1000)
 			l.add(mUDPMaxPPS, r.PPS()/1000)
 			l.add(mUDPMaxLoss, r.Loss()*100)
 			return nil

@@ -298,6 +298,15 @@ func (r UDPResult) PPS() float64 {
 	return float64(r.Received) / r.Elapsed.Seconds()
 }
 
+// SentPPS returns the sent datagrams per second of sending time: below
+// the offered rate when the socket pushed back.
+func (r UDPResult) SentPPS() float64 {
+	if r.Elapsed <= 0 {
+		return 0
+	}
+	return float64(r.Sent) / r.Elapsed.Seconds()
+}
+
 // Loss returns the fraction of sent datagrams that did not arrive.
 func (r UDPResult) Loss() float64 {
 	if r.Sent <= 0 || r.Received >= r.Sent {

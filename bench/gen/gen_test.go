@@ -129,6 +129,9 @@ func TestUDPPacedRate(t *testing.T) {
 
 func TestUDPResultMath(t *testing.T) {
 	r := UDPResult{Sent: 1000, Received: 990, Elapsed: time.Second / 2}
+	if r.SentPPS() != 2000 {
+		t.Errorf("SentPPS = %v, want 2000", r.SentPPS())
+	}
 	if r.PPS() != 1980 {
 		t.Errorf("PPS = %v, want 1980", r.PPS())
 	}
