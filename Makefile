@@ -28,9 +28,14 @@ test: vet build
 demo: build
 	./$(BIN) demo
 
+# bench builds meshtun and runs its benchmark suite (root): direct, verbatim,
+# passthrough and mesh side by side with the tun2socks peer (built once into
+# ~/.cache/meshtun-bench), interleaved and repeated, about 8 minutes. The
+# table goes to the terminal, JSON and SVG charts to bench/results/.
+# BENCHFLAGS=--quick for a smoke run of under a minute.
 bench: build
 	$(GO) test -run '^$$' -bench . -benchmem ./stack/classify
-	$(GO) test -run '^$$' -bench Paths -benchtime 2s ./test/e2e
+	./$(BIN) bench --peers --json bench/results/bench.json --out bench/results $(BENCHFLAGS)
 
 clean:
 	rm -rf bin
