@@ -188,8 +188,9 @@ func Run(ctx context.Context, cfg Config) (err error) {
 			}
 			return w.Identity, true
 		}),
-		Handler: n.px.InboundHandler(),
-		Logger:  log,
+		Handler:       n.px.InboundHandler(),
+		OnRefusedConn: n.px.TLSFailure,
+		Logger:        log,
 	})
 	if err != nil {
 		return err

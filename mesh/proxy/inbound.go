@@ -83,6 +83,22 @@ func (p *Proxy) connect(ctx context.Context, r *hbone.Request) (net.Conn, error)
 	return cc, nil
 }
 
+// TLSFailure reports an HBONE connection refused before any request (a
+// failed handshake, no usable certificate): Istio's TLS_FAILURE.
+func (p *Proxy) TLSFailure(local, remote net.Addr, err error) {
+	l, _ := netip.ParseAddrPort(local.String())
+	r, _ := netip.ParseAddrPort(remote.String())
+	snap := p.cfg.Registry.Load()
+	rec := p.newRecord(r, l, snap.Workload(r.Addr()), snap.Workload(l.Addr()), "inbound", "hbone")
+	rec.refused(&tlsFailure{err})
+}
+
+// tlsFailure is a refusal at the HBONE connection's TLS layer.
+type tlsFailure struct{ err error }
+
+func (e *tlsFailure) Error() string { return "TLS: " + e.err.Error() }
+func (e *tlsFailure) Unwrap() error { return e.err }
+
 // inboundSource returns the address the upstream connection is made from:
 // the original client named in the forwarded header when that address
 // belongs to a workload whose identity is the verified peer's, so that

@@ -153,9 +153,12 @@ func (r *record) done(sent, recv int64, reset bool) {
 // responseFlags maps a refusal to Istio's response flag.
 func responseFlags(err error) string {
 	var de *deniedError
+	var tf *tlsFailure
 	switch {
 	case errors.As(err, &de), errors.Is(err, hbone.ErrDenied):
 		return "DENY"
+	case errors.As(err, &tf):
+		return "TLS_FAILURE"
 	case errors.Is(err, errNoEndpoint):
 		return "UH"
 	case errors.Is(err, errDraining):

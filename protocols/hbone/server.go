@@ -92,6 +92,10 @@ type ServerConfig struct {
 	// zero; negative ends the stream at once. See the package
 	// documentation.
 	HalfCloseLinger time.Duration
+	// OnRefusedConn, if set, is called for every connection refused
+	// before any request: a failed TLS handshake, no h2, no usable client
+	// certificate. For metrics.
+	OnRefusedConn func(local, remote net.Addr, err error)
 	// Logger receives a line per refused request and failed handshake.
 	Logger zerolog.Logger
 }
@@ -109,6 +113,7 @@ type Server struct {
 	log     zerolog.Logger
 	bufSize int
 	linger  time.Duration
+	refused func(local, remote net.Addr, err error)
 	conns   atomic.Int64 // connections being served
 }
 
@@ -140,6 +145,7 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		cfg.HalfCloseLinger = DefaultHalfCloseLinger
 	}
 	s := &Server{
+		refused: cfg.OnRefusedConn,
 		linger:  cfg.HalfCloseLinger,
 		tls:     tc,
 		handler: cfg.Handler,
@@ -223,22 +229,26 @@ func (s *Server) ServeConn(ctx context.Context, c net.Conn) {
 	cancel()
 	if err != nil {
 		log.Warn().Err(err).Msg("hbone: TLS handshake failed")
+		s.refuseConn(c, err)
 		return
 	}
 	st := tc.ConnectionState()
 	if st.NegotiatedProtocol != "h2" {
 		log.Warn().Str("alpn", st.NegotiatedProtocol).Msg("hbone: client did not negotiate h2")
+		s.refuseConn(c, fmt.Errorf("hbone: client negotiated %q, not h2", st.NegotiatedProtocol))
 		return
 	}
 	// x/net/http2 sets Request.TLS only for requests with :scheme https,
 	// which CONNECT has not: take the peer from the connection.
 	if len(st.PeerCertificates) == 0 {
 		log.Warn().Msg("hbone: client presented no certificate")
+		s.refuseConn(c, errors.New("hbone: client presented no certificate"))
 		return
 	}
 	ci := &connInfo{}
 	if ci.peer, err = x509svid.IDFromCert(st.PeerCertificates[0]); err != nil {
 		log.Warn().Err(err).Msg("hbone: client certificate has no SPIFFE ID")
+		s.refuseConn(c, err)
 		return
 	}
 	ci.local, _ = addrPort(tc.LocalAddr())
@@ -268,6 +278,12 @@ func addrPort(a net.Addr) (netip.AddrPort, bool) {
 		return netip.AddrPort{}, false
 	}
 	return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()), true
+}
+
+func (s *Server) refuseConn(c net.Conn, err error) {
+	if s.refused != nil {
+		s.refused(c.LocalAddr(), c.RemoteAddr(), err)
+	}
 }
 
 // Drain sends GOAWAY on every connection being served, so that clients

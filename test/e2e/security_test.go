@@ -248,6 +248,16 @@ func TestSecurity(t *testing.T) {
 		conf := identity.ClientTLS(staticSource{svid, realBundle}, id2(t, "n2p3"))
 		attack(t, conf, id2(t, "n2p3"), "want "+id2(t, "n2p3").String(), "")
 	})
+	t.Run("refused handshakes are counted as TLS_FAILURE", func(t *testing.T) {
+		// The five refusals above: four clients the server refused, and
+		// the client that refused the server (its handshake fails at the
+		// server too).
+		fams := scrape(t, mc.n2)
+		want := map[string]string{"reporter": "destination", "destination_workload": "n2p1", "response_flags": "TLS_FAILURE"}
+		if got := value(fams, "istio_tcp_connections_opened_total", want); got != 5 {
+			t.Errorf("istio_tcp_connections_opened_total%v = %v, want 5", want, got)
+		}
+	})
 	t.Run("a valid client gets through", func(t *testing.T) {
 		// The control: the same path with a real certificate works, so
 		// the refusals above are the identity checks, not a broken path.
