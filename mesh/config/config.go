@@ -91,7 +91,9 @@ type CAConfig struct {
 type NodeConfig struct {
 	Name string    `yaml:"name"`
 	TUN  TUNConfig `yaml:"tun"`
-	// Uplinks are the node's links towards other nodes.
+	// Uplinks are the node's links towards other nodes. Optional: the
+	// node routes traffic to its mesh pods through the TUN whichever link
+	// it arrives on; uplinks are only checked against capture links.
 	Uplinks []string `yaml:"uplinks"`
 	// CaptureLinks are the node-side links of captured pods. After Load it
 	// also holds the captureLink of every mesh workload on the node.
