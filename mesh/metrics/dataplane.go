@@ -9,12 +9,14 @@ import (
 // DataPlaneStats is a snapshot of the packet path's counters, read at
 // scrape time.
 type DataPlaneStats struct {
-	Intercepted, Verbatim uint64            // packets from the TUN, by verdict
-	Drops                 map[string]uint64 // packets dropped, by reason
-	Outbound              uint64            // packets the netstack sent
-	Flows                 int               // flow-table entries
-	FlowsInserted         uint64
-	FlowsExpired          uint64
+	// Packets and bytes from the TUN by verdict ("intercept", "verbatim")
+	// and protocol ("tcp", "udp", "icmp", "other").
+	Packets, Bytes map[[2]string]uint64
+	Drops          map[string]uint64 // packets dropped, by reason
+	Outbound       uint64            // packets the netstack sent
+	Flows          int               // flow-table entries
+	FlowsInserted  uint64
+	FlowsExpired   uint64
 
 	TCPRetransmits      uint64 // netstack TCP segments retransmitted
 	ForwarderDrops      uint64 // SYNs dropped: too many connections pending
@@ -35,7 +37,8 @@ func DataPlane(read func() DataPlaneStats) prometheus.Collector {
 type dataPlane struct{ read func() DataPlaneStats }
 
 var (
-	descPackets   = prometheus.NewDesc("meshtun_packets_total", "Packets read from the TUN, by the classifier's verdict.", []string{"verdict"}, nil)
+	descPackets   = prometheus.NewDesc("meshtun_packets_total", "Packets read from the TUN, by the classifier's verdict and protocol.", []string{"verdict", "protocol"}, nil)
+	descBytes     = prometheus.NewDesc("meshtun_bytes_total", "Bytes (IP packets) read from the TUN, by the classifier's verdict and protocol.", []string{"verdict", "protocol"}, nil)
 	descDrops     = prometheus.NewDesc("meshtun_classifier_drops_total", "Packets the classifier dropped, by reason.", []string{"reason"}, nil)
 	descOutbound  = prometheus.NewDesc("meshtun_netstack_packets_sent_total", "Packets the netstack wrote to the TUN.", nil, nil)
 	descFlows     = prometheus.NewDesc("meshtun_flows", "Entries in the classifier's flow table.", nil, nil)
@@ -51,7 +54,7 @@ var (
 )
 
 func (d *dataPlane) Describe(ch chan<- *prometheus.Desc) {
-	for _, desc := range []*prometheus.Desc{descPackets, descDrops, descOutbound, descFlows, descInserted, descExpired,
+	for _, desc := range []*prometheus.Desc{descPackets, descBytes, descDrops, descOutbound, descFlows, descInserted, descExpired,
 		descRetrans, descFwdDrops, descWriteErrs, descPoolConns, descPoolStrms, descSrvConns, descExpiry} {
 		ch <- desc
 	}
@@ -65,8 +68,12 @@ func (d *dataPlane) Collect(ch chan<- prometheus.Metric) {
 	gauge := func(desc *prometheus.Desc, v float64, labels ...string) {
 		ch <- prometheus.MustNewConstMetric(desc, prometheus.GaugeValue, v, labels...)
 	}
-	counter(descPackets, s.Intercepted, "intercept")
-	counter(descPackets, s.Verbatim, "verbatim")
+	for k, v := range s.Packets {
+		counter(descPackets, v, k[0], k[1])
+	}
+	for k, v := range s.Bytes {
+		counter(descBytes, v, k[0], k[1])
+	}
 	for reason, n := range s.Drops {
 		counter(descDrops, n, reason)
 	}

@@ -270,13 +270,20 @@ func (n *node) dataPlaneStats() metrics.DataPlaneStats {
 	ss := n.st.Stats()
 	ps := n.hc.Stats()
 	d := metrics.DataPlaneStats{
-		Intercepted: cs.Intercepted, Verbatim: cs.Verbatim, Outbound: cs.Outbound,
+		Packets: map[[2]string]uint64{}, Bytes: map[[2]string]uint64{}, Outbound: cs.Outbound,
 		Flows: cs.Flows, FlowsInserted: cs.FlowsInserted, FlowsExpired: cs.FlowsExpired,
 		TCPRetransmits: ss.TCPRetransmits, ForwarderDrops: ss.ForwarderDrops,
 		VerbatimWriteErrors: ss.VerbatimWriteErrors,
 		HBONEConns:          ps.Conns, HBONEStreams: ps.Streams, HBONEServerConns: n.hs.OpenConns(),
 		Drops:      map[string]uint64{},
 		CertExpiry: map[string]time.Time{},
+	}
+	for p := range cs.VerbatimPackets {
+		proto := classify.Proto(p).String()
+		d.Packets[[2]string{"verbatim", proto}] = cs.VerbatimPackets[p]
+		d.Bytes[[2]string{"verbatim", proto}] = cs.VerbatimBytes[p]
+		d.Packets[[2]string{"intercept", proto}] = cs.InterceptedPackets[p]
+		d.Bytes[[2]string{"intercept", proto}] = cs.InterceptedBytes[p]
 	}
 	for r, v := range cs.DropsByReason {
 		if v > 0 {

@@ -144,10 +144,59 @@ const (
 	DefaultCloseTimeout = 15 * time.Second
 )
 
+// Proto is the coarse protocol class packets and bytes are counted by.
+type Proto uint8
+
+// Protocol classes. Other covers every other IP protocol, and IPv6 packets
+// whose first header is an extension header.
+const (
+	ProtoTCP Proto = iota
+	ProtoUDP
+	ProtoICMP
+	ProtoOther
+	numProtos
+)
+
+var protoNames = [numProtos]string{"tcp", "udp", "icmp", "other"}
+
+// String returns "tcp", "udp", "icmp" or "other".
+func (p Proto) String() string {
+	if p < numProtos {
+		return protoNames[p]
+	}
+	return "proto(" + strconv.Itoa(int(p)) + ")"
+}
+
+// protoOf returns the class of a packet from its IP header's protocol
+// field (IPv4) or first next-header (IPv6).
+func protoOf(pkt []byte) Proto {
+	var n byte
+	switch {
+	case len(pkt) >= 20 && pkt[0]>>4 == 4:
+		n = pkt[9]
+	case len(pkt) >= 40 && pkt[0]>>4 == 6:
+		n = pkt[6]
+	default:
+		return ProtoOther
+	}
+	switch n {
+	case 6:
+		return ProtoTCP
+	case 17:
+		return ProtoUDP
+	case 1, 58:
+		return ProtoICMP
+	}
+	return ProtoOther
+}
+
 // Stats is a snapshot of a Classifier's counters.
 type Stats struct {
 	// Packets passed to Inbound, by verdict.
 	Verbatim, Intercepted, Dropped uint64
+	// Verbatim and intercepted packets and bytes (IP packets, headers
+	// included) by protocol class, indexed by Proto.
+	VerbatimPackets, VerbatimBytes, InterceptedPackets, InterceptedBytes [numProtos]uint64
 	// DropsByReason counts Inbound drops, indexed by DropReason.
 	DropsByReason [numDropReasons]uint64
 
@@ -177,6 +226,7 @@ type Stats struct {
 // counters are the Classifier's statistics.
 type counters struct {
 	verbatim, intercepted, dropped atomic.Uint64
+	byProto                        [2][numProtos]struct{ packets, bytes atomic.Uint64 } // [verdict]
 	drops                          [numDropReasons]atomic.Uint64
 	outbound, outMalformed         atomic.Uint64
 	outNoFlow, outTableFull        atomic.Uint64
@@ -275,10 +325,15 @@ func (c *Classifier) Inbound(pkt []byte) (Verdict, DropReason) {
 		v, reason = c.inboundTCP(pkt, &seg)
 	}
 	switch v {
-	case Verbatim:
-		c.st.verbatim.Add(1)
-	case Intercept:
-		c.st.intercepted.Add(1)
+	case Verbatim, Intercept:
+		if v == Verbatim {
+			c.st.verbatim.Add(1)
+		} else {
+			c.st.intercepted.Add(1)
+		}
+		bp := &c.st.byProto[v][protoOf(pkt)]
+		bp.packets.Add(1)
+		bp.bytes.Add(uint64(len(pkt)))
 	default:
 		c.st.dropped.Add(1)
 		c.st.drops[reason].Add(1)
@@ -479,6 +534,12 @@ func (c *Classifier) Stats() Stats {
 	}
 	for i := range s.DropsByReason {
 		s.DropsByReason[i] = c.st.drops[i].Load()
+	}
+	for p := range numProtos {
+		s.VerbatimPackets[p] = c.st.byProto[Verbatim][p].packets.Load()
+		s.VerbatimBytes[p] = c.st.byProto[Verbatim][p].bytes.Load()
+		s.InterceptedPackets[p] = c.st.byProto[Intercept][p].packets.Load()
+		s.InterceptedBytes[p] = c.st.byProto[Intercept][p].bytes.Load()
 	}
 	return s
 }

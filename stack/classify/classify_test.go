@@ -804,3 +804,36 @@ func TestRun(t *testing.T) {
 		t.Fatal("Run did not return after its context was cancelled")
 	}
 }
+
+// TestStatsByProto: verbatim and intercepted packets and bytes are counted
+// by protocol class.
+func TestStatsByProto(t *testing.T) {
+	c := New(Config{Policy: all})
+	u := udp(podA4, podB4, 100)
+	ic := ipv4(podA4.Addr(), podB4.Addr(), protoICMP, []byte{8, 0, 0, 0, 0, 1, 0, 1})
+	o := ipv6(podA6.Addr(), podB6.Addr(), 253, []byte{1, 2, 3})
+	syn := tcp(podA4, podB4, tcpSYN)
+	for _, p := range [][]byte{u, u, ic, o, syn} {
+		c.Inbound(p)
+	}
+	st := c.Stats()
+	for _, tc := range []struct {
+		name      string
+		got, want uint64
+	}{
+		{"verbatim udp packets", st.VerbatimPackets[ProtoUDP], 2},
+		{"verbatim udp bytes", st.VerbatimBytes[ProtoUDP], uint64(2 * len(u))},
+		{"verbatim icmp packets", st.VerbatimPackets[ProtoICMP], 1},
+		{"verbatim other bytes", st.VerbatimBytes[ProtoOther], uint64(len(o))},
+		{"intercepted tcp packets", st.InterceptedPackets[ProtoTCP], 1},
+		{"intercepted tcp bytes", st.InterceptedBytes[ProtoTCP], uint64(len(syn))},
+		{"verbatim tcp packets", st.VerbatimPackets[ProtoTCP], 0},
+	} {
+		if tc.got != tc.want {
+			t.Errorf("%s = %d, want %d", tc.name, tc.got, tc.want)
+		}
+	}
+	if ProtoICMP.String() != "icmp" {
+		t.Errorf("ProtoICMP.String() = %q", ProtoICMP.String())
+	}
+}

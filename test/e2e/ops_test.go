@@ -149,8 +149,8 @@ func TestOperations(t *testing.T) {
 			if got := value(fams, "istio_tcp_connections_opened_total", denied); got != 1 {
 				t.Errorf("%s denied connections = %v, want 1", side.node.Name(), got)
 			}
-			if got := value(fams, "meshtun_packets_total", map[string]string{"verdict": "intercept"}); got == 0 {
-				t.Errorf("%s meshtun_packets_total{verdict=intercept} = 0", side.node.Name())
+			if got := value(fams, "meshtun_bytes_total", map[string]string{"verdict": "intercept", "protocol": "tcp"}); got < conns*up {
+				t.Errorf("%s meshtun_bytes_total{verdict=intercept,protocol=tcp} = %v, want at least the %v payload bytes", side.node.Name(), got, conns*up)
 			}
 			if got := value(fams, "meshtun_certificate_expiry_seconds", map[string]string{"identity": id("n" + side.node.Name()[len(side.node.Name())-1:] + "p1")}); got < float64(time.Now().Unix()) {
 				t.Errorf("%s certificate expiry metric = %v, want a future time", side.node.Name(), got)
