@@ -87,6 +87,9 @@ func newLinkEndpoint(dev Device, cls *classify.Classifier, log zerolog.Logger, s
 		e.vdev = od
 		e.vnet = od.VnetHdrLen()
 	}
+	if e.vnet == 0 {
+		log.Info().Msg("TUN without offloads: one packet per read and write, no GSO")
+	}
 	return e
 }
 

@@ -66,7 +66,7 @@ type Device struct {
 	file     *os.File // keeps the descriptor alive; never read through water
 	raw      syscall.RawConn
 	closed   atomic.Bool
-	vecs     sync.Pool // of *vecWriter
+	ops      sync.Pool // of *op
 }
 
 // Open creates the TUN device, sets its MTU and queue length and brings it
@@ -225,33 +225,30 @@ func (d *Device) Offloads() string { return d.offloads }
 // device is closed; then it returns an error matching os.ErrClosed.
 // It does not allocate.
 func (d *Device) Read(b []byte) (int, error) {
-	n, err := d.file.Read(b)
-	if err != nil && d.closed.Load() {
-		return 0, os.ErrClosed
+	if len(b) == 0 {
+		return 0, nil
 	}
-	return n, err
+	o := d.op(opRead)
+	o.b = b
+	return d.run(o, d.raw.Read)
 }
 
 // Write writes one packet (with its virtio-net header when VnetHdrLen() >
 // 0). The kernel receives it as if it arrived on the TUN interface and
 // routes it on. It does not allocate.
 func (d *Device) Write(pkt []byte) (int, error) {
-	n, err := d.file.Write(pkt)
-	if err != nil && d.closed.Load() {
-		return n, os.ErrClosed
+	if len(pkt) == 0 {
+		return 0, nil
 	}
-	return n, err
+	o := d.op(opWrite)
+	o.b = pkt
+	return d.run(o, d.raw.Write)
 }
 
 // Writev writes one packet gathered from bufs (the virtio-net header, if
-// any, in front), with one writev(2).
+// any, in front), with one writev(2). It does not allocate.
 func (d *Device) Writev(bufs [][]byte) (int, error) {
-	w, _ := d.vecs.Get().(*vecWriter)
-	if w == nil {
-		w = &vecWriter{}
-		w.fn = w.write
-	}
-	w.iov = w.iov[:0]
+	o := d.op(opWritev)
 	for _, b := range bufs {
 		if len(b) == 0 {
 			continue
@@ -259,44 +256,88 @@ func (d *Device) Writev(bufs [][]byte) (int, error) {
 		var v unix.Iovec
 		v.Base = &b[0]
 		v.SetLen(len(b))
-		w.iov = append(w.iov, v)
+		o.iov = append(o.iov, v)
 	}
-	var n int
-	var err error
-	if len(w.iov) > 0 {
-		err = d.raw.Write(w.fn)
-		n, err = w.n, errors.Join(err, w.err)
+	if len(o.iov) == 0 {
+		d.ops.Put(o)
+		return 0, nil
 	}
-	clear(w.iov) // drop the references to bufs
-	w.n, w.err = 0, nil
-	d.vecs.Put(w)
-	if err != nil && d.closed.Load() {
-		return n, os.ErrClosed
-	}
-	return n, err
+	return d.run(o, d.raw.Write)
 }
 
-// vecWriter is one Writev's state, pooled so that the callback handed to
-// the runtime poller is not allocated per packet.
-type vecWriter struct {
-	iov []unix.Iovec
-	n   int
-	err error
-	fn  func(fd uintptr) bool // w.write, bound once
+// op is the state of one read or write on the descriptor: the callback
+// handed to the runtime poller is bound once per op, and ops are pooled,
+// so that no packet allocates.
+type op struct {
+	kind  int
+	b     []byte
+	iov   []unix.Iovec
+	n     int
+	errno unix.Errno
+	fn    func(fd uintptr) bool // o.do, bound once
 }
 
-func (w *vecWriter) write(fd uintptr) bool {
-	r, _, e := unix.Syscall(unix.SYS_WRITEV, fd, uintptr(unsafe.Pointer(&w.iov[0])), uintptr(len(w.iov)))
+const (
+	opRead = iota
+	opWrite
+	opWritev
+)
+
+func (d *Device) op(kind int) *op {
+	o, _ := d.ops.Get().(*op)
+	if o == nil {
+		o = &op{}
+		o.fn = o.do
+	}
+	o.kind = kind
+	return o
+}
+
+// run performs o through the poller method rw (raw.Read or raw.Write) and
+// returns o to the pool.
+func (d *Device) run(o *op, rw func(func(uintptr) bool) error) (int, error) {
+	err := rw(o.fn)
+	n := o.n
+	if err == nil && o.errno != 0 {
+		err = o.errno
+	}
+	o.b = nil
+	clear(o.iov) // drop the references to the caller's buffers
+	o.iov = o.iov[:0]
+	o.n, o.errno = 0, 0
+	d.ops.Put(o)
+	if err != nil {
+		if d.closed.Load() {
+			return 0, os.ErrClosed
+		}
+		return 0, err
+	}
+	return n, nil
+}
+
+// do makes the system call. The descriptor is non-blocking, so the call
+// never sleeps: it is a raw system call, without the runtime's syscall
+// bookkeeping (which would also wake the runtime's monitor thread after
+// every idle spell: a futex wake per packet on a quiet link). EAGAIN goes
+// back to the poller, which waits for the descriptor.
+func (o *op) do(fd uintptr) bool {
+	var r uintptr
+	var e unix.Errno
+	switch o.kind {
+	case opRead:
+		r, _, e = unix.RawSyscall(unix.SYS_READ, fd, uintptr(unsafe.Pointer(&o.b[0])), uintptr(len(o.b)))
+	case opWrite:
+		r, _, e = unix.RawSyscall(unix.SYS_WRITE, fd, uintptr(unsafe.Pointer(&o.b[0])), uintptr(len(o.b)))
+	case opWritev:
+		r, _, e = unix.RawSyscall(unix.SYS_WRITEV, fd, uintptr(unsafe.Pointer(&o.iov[0])), uintptr(len(o.iov)))
+	}
 	switch e {
 	case unix.EAGAIN:
-		return false // wait until writable
+		return false
 	case unix.EINTR:
-		return w.write(fd)
-	case 0:
-		w.n, w.err = int(r), nil
-	default:
-		w.n, w.err = 0, e
+		return o.do(fd)
 	}
+	o.n, o.errno = int(r), e
 	return true
 }
 
