@@ -74,18 +74,18 @@ func metricDefs(pl plan) []report.Metric {
 		{ID: mCRRp50, Title: "connect+request+close p50", Label: "p50", Unit: "µs", Better: report.Lower, Chart: chCRR},
 		{ID: mCRRp90, Title: "connect+request+close p90", Label: "p90", Unit: "µs", Better: report.Lower, Chart: chCRR},
 		{ID: mCRRp99, Title: "connect+request+close p99", Label: "p99", Unit: "µs", Better: report.Lower, Chart: chCRR},
-		{ID: mUDPSent, Title: "UDP sent, offered " + offered + " (the socket may push back)", Label: "sent, paced", Unit: "kpps", Better: report.Higher, Chart: chUDP},
-		{ID: mUDPPPS, Title: "UDP received, offered " + offered, Label: "received, paced", Unit: "kpps", Better: report.Higher, Chart: chUDP},
-		{ID: mUDPLoss, Title: "UDP loss of sent, offered " + offered, Label: offered, Unit: "%", Better: report.Lower, Chart: chUDPLoss},
+		{ID: mUDPSent, Title: "UDP sent, " + offered + " offered", Label: "sent, paced", Unit: "kpps", Better: report.Higher, Chart: chUDP},
+		{ID: mUDPPPS, Title: "UDP received, " + offered + " offered", Label: "received, paced", Unit: "kpps", Better: report.Higher, Chart: chUDP},
+		{ID: mUDPLoss, Title: "UDP loss of sent, " + offered + " offered", Label: offered, Unit: "%", Better: report.Lower, Chart: chUDPLoss},
 		{ID: mUDPMaxSent, Title: "UDP sent, unpaced " + report.Num(float64(udpSize)) + " B", Label: "sent, unpaced", Unit: "kpps", Better: report.Higher, Chart: chUDP},
 		{ID: mUDPMaxPPS, Title: "UDP received, unpaced " + report.Num(float64(udpSize)) + " B", Label: "received, unpaced", Unit: "kpps", Better: report.Higher, Chart: chUDP},
 		{ID: mUDPMaxLoss, Title: "UDP loss of sent, unpaced", Label: "unpaced", Unit: "%", Better: report.Lower, Chart: chUDPLoss},
-		{ID: mCPUPerGB, Title: "proxy CPU per GB moved (all TCP runs)", Label: "TCP runs", Unit: "CPU s/GB", Better: report.Lower, Chart: chCPU},
-		{ID: mRSSIdle, Title: "proxy RSS at start, idle (largest proxy)", Label: "RSS at start", Unit: "MiB", Better: report.Lower, Chart: chMem},
-		{ID: mPeak, Title: "proxy peak memory, VmHWM (largest proxy)", Label: "peak (VmHWM)", Unit: "MiB", Better: report.Lower, Chart: chMem},
+		{ID: mCPUPerGB, Title: "proxy CPU per GB (all TCP runs)", Label: "TCP runs", Unit: "CPU s/GB", Better: report.Lower, Chart: chCPU},
+		{ID: mRSSIdle, Title: "proxy RSS at start (largest proxy)", Label: "RSS at start", Unit: "MiB", Better: report.Lower, Chart: chMem},
+		{ID: mPeak, Title: "proxy peak VmHWM (largest proxy)", Label: "peak (VmHWM)", Unit: "MiB", Better: report.Lower, Chart: chMem},
 	}
 	for _, n := range pl.idle {
-		ms = append(ms, report.Metric{ID: idleMetric(n), Title: "memory per idle connection at " + thousands(n) + " (worst proxy)",
+		ms = append(ms, report.Metric{ID: idleMetric(n), Title: "per idle connection, " + thousands(n) + " open (worst proxy)",
 			Label: thousands(n) + " conns", Unit: "KiB", Better: report.Lower, Chart: chIdle})
 	}
 	return ms

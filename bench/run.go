@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"os"
 	"runtime"
+	"slices"
 	"strings"
 	"time"
 
@@ -36,6 +37,10 @@ type Options struct {
 	Repetitions int
 	// ProxyLogLevel is meshtun's --log-level; empty means its default.
 	ProxyLogLevel string
+	// PprofDir, if set, receives CPU profiles of the meshtun proxies taken
+	// after the measurements, one TCP stream each way per path
+	// (<path>-meshtun-<node>-<up|down>.pprof).
+	PprofDir string
 	// Command and Version are recorded in the result.
 	Command, Version string
 	// Progress, if set, receives progress as the run goes.
@@ -179,13 +184,16 @@ func Run(ctx context.Context, o Options) (*report.Result, error) {
 	}
 
 	scenarios := scenarioList(pl)
-	withProxy := 0
+	withProxy, withPprof := 0, 0
 	for _, l := range lanes {
 		if len(l.Proxies) > 0 {
 			withProxy++
 		}
+		if o.PprofDir != "" && slices.ContainsFunc(l.Proxies, func(x topo.Proxy) bool { return x.Pprof.IsValid() }) {
+			withPprof++
+		}
 	}
-	o.Progress.setTotal(len(lanes) + pl.reps*len(scenarios)*len(lanes) + withProxy*(1+len(pl.idle)))
+	o.Progress.setTotal(len(lanes) + pl.reps*len(scenarios)*len(lanes) + withPprof + withProxy*(1+len(pl.idle)))
 
 	// Memory at start, then a warm-up that also proves every path works
 	// (and opens the mesh's pooled HBONE connection).
@@ -232,6 +240,26 @@ func Run(ctx context.Context, o Options) (*report.Result, error) {
 			} else {
 				l.add(mPeak, mib(hwm))
 			}
+		}
+	}
+
+	if o.PprofDir != "" {
+		if err := os.MkdirAll(o.PprofDir, 0o755); err != nil {
+			return nil, fmt.Errorf("bench: %w", err)
+		}
+		for _, l := range lanes {
+			if !slices.ContainsFunc(l.Proxies, func(x topo.Proxy) bool { return x.Pprof.IsValid() }) {
+				continue
+			}
+			o.Progress.step("CPU profiles · " + l.Name)
+			files, err := profileLane(ctx, l, o.PprofDir)
+			if err != nil {
+				if ctx.Err() != nil {
+					return nil, ctx.Err()
+				}
+				fail(l, "profile", err)
+			}
+			res.Profiles = append(res.Profiles, files...)
 		}
 	}
 

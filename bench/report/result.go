@@ -39,6 +39,8 @@ type Result struct {
 	Paths []Path `json:"paths"`
 	// Metrics are the figures, in display order.
 	Metrics []Metric `json:"metrics"`
+	// Profiles are the CPU profiles taken, if asked for.
+	Profiles []string `json:"profiles,omitempty"`
 	// Errors lists the measurements that failed ("path/scenario: error").
 	Errors []string `json:"errors,omitempty"`
 }

@@ -9,6 +9,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/netip"
 	"os"
 	"time"
 
@@ -33,6 +34,11 @@ type Proxy struct {
 	Name string
 	// Pid is the process ID, for /proc; Restart changes it.
 	Pid int
+	// Node is the node the proxy runs on.
+	Node *cluster.Node
+	// Pprof is where the proxy serves net/http/pprof inside Node's
+	// namespace (under /debug/pprof/); invalid if it does not.
+	Pprof netip.AddrPort
 
 	proc  *cluster.Proc
 	start func(context.Context) (*cluster.Proc, error)
@@ -91,6 +97,9 @@ var plans = []pathPlan{
 	{Mesh, "meshtun on both nodes, both pods in the mesh: HBONE (HTTP/2 CONNECT over mTLS) from node to node", false},
 	{Tun2socks, "tun2socks v2.6.0 on the client's node with -proxy direct:// on the same TUN path (same rules, MTU, queue length)", true},
 }
+
+// meshtunAdmin is the admin address noderun.WriteConfig gives every node.
+var meshtunAdmin = netip.MustParseAddrPort("127.0.0.1:15000")
 
 // Sysctls set in every pod and node namespace: connect-heavy scenarios
 // leave many TIME_WAIT sockets behind, and 10,000 idle connections need
@@ -168,6 +177,7 @@ func (t *Topology) build(ctx context.Context, spec Spec, ps []pathPlan) error {
 			src := p.Src
 			p.Proxies = append(p.Proxies, Proxy{
 				Name: "tun2socks " + noderun.NodeName(src.Node),
+				Node: src.Node,
 				start: func(ctx context.Context) (*cluster.Proc, error) {
 					return startTun2socks(ctx, spec.Tun2socks, src, t.log)
 				},
@@ -176,7 +186,9 @@ func (t *Topology) build(ctx context.Context, spec Spec, ps []pathPlan) error {
 		for _, n := range nodes {
 			args := append([]string{"--config", t.ConfigPath, "--log-level", spec.LogLevel}, extra...)
 			p.Proxies = append(p.Proxies, Proxy{
-				Name: "meshtun " + noderun.NodeName(n),
+				Name:  "meshtun " + noderun.NodeName(n),
+				Node:  n,
+				Pprof: meshtunAdmin,
 				start: func(ctx context.Context) (*cluster.Proc, error) {
 					return startMeshtun(ctx, spec.Meshtun, n, args...)
 				},
