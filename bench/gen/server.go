@@ -14,6 +14,9 @@ import (
 	"net/netip"
 	"sync"
 	"sync/atomic"
+
+	"golang.org/x/net/ipv4"
+	"golang.org/x/net/ipv6"
 )
 
 // Netns is where sockets are opened: Do runs fn on a thread inside the
@@ -261,21 +264,38 @@ func (s *Server) hold(c net.Conn) {
 
 func (s *Server) udp(pc net.PacketConn) {
 	defer s.wg.Done()
-	u, _ := pc.(*net.UDPConn)
-	buf := make([]byte, 64<<10)
+	// recvmmsg: up to udpBatch datagrams per system call, so that the
+	// sink is not what limits the rate.
+	bc := newBatchConn(pc)
+	msgs := make([]ipv4.Message, udpBatch)
+	for i := range msgs {
+		msgs[i].Buffers = [][]byte{make([]byte, 2048)}
+	}
 	for {
-		var err error
-		if u != nil {
-			_, err = u.Read(buf)
-		} else {
-			_, _, err = pc.ReadFrom(buf)
-		}
+		n, err := bc.ReadBatch(msgs, 0)
 		if err != nil {
 			if s.closed.Load() {
 				return
 			}
 			continue // e.g. an ICMP error reported on the socket
 		}
-		s.udpPackets.Add(1)
+		s.udpPackets.Add(int64(n))
 	}
+}
+
+// udpBatch is how many datagrams one sendmmsg or recvmmsg moves at most.
+const udpBatch = 64
+
+// batchConn reads and writes datagrams in batches (recvmmsg, sendmmsg).
+type batchConn interface {
+	ReadBatch(ms []ipv4.Message, flags int) (int, error)
+	WriteBatch(ms []ipv4.Message, flags int) (int, error)
+}
+
+// newBatchConn wraps a UDP socket for batched I/O in its address family.
+func newBatchConn(c net.PacketConn) batchConn {
+	if a, ok := c.LocalAddr().(*net.UDPAddr); ok && a.IP.To4() == nil && a.IP != nil && !a.IP.IsUnspecified() {
+		return ipv6.NewPacketConn(c)
+	}
+	return ipv4.NewPacketConn(c)
 }
