@@ -1,6 +1,7 @@
 package bench
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -26,6 +27,9 @@ import (
 type Options struct {
 	// Meshtun is the meshtun binary the nodes run (required).
 	Meshtun string
+	// Self is the binary whose `bench --serve-hold` serves the far end of
+	// the idle connections (see ServeHold); empty means Meshtun.
+	Self string
 	// Tun2socks is the peer's binary (see topo.BuildTun2socks); empty
 	// leaves the peer out.
 	Tun2socks string
@@ -278,7 +282,7 @@ func Run(ctx context.Context, o Options) (*report.Result, error) {
 			fail(l, "restart", err)
 			continue
 		}
-		if err := idleConns(ctx, l, pl, o.Meshtun, o.Progress); err != nil {
+		if err := idleConns(ctx, l, pl, cmp.Or(o.Self, o.Meshtun), o.Progress); err != nil {
 			if ctx.Err() != nil {
 				return nil, ctx.Err()
 			}

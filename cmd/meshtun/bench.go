@@ -80,10 +80,12 @@ flags:
 	if err := cluster.Preflight(); err != nil {
 		return fmt.Errorf("the benchmark builds network namespaces and TUN devices: %w", err)
 	}
+	self, err := os.Executable()
+	if err != nil {
+		return fmt.Errorf("find this binary: %w", err)
+	}
 	if binPath == "" {
-		if binPath, err = os.Executable(); err != nil {
-			return fmt.Errorf("find this binary: %w", err)
-		}
+		binPath = self
 	}
 	if err := raiseFileLimit(benchFiles); err != nil {
 		return err
@@ -106,6 +108,7 @@ flags:
 	}
 	res, err := bench.Run(ctx, bench.Options{
 		Meshtun:       binPath,
+		Self:          self,
 		Tun2socks:     t2s,
 		Quick:         quick,
 		Repetitions:   reps,
