@@ -6,8 +6,9 @@
 // the kernel alone (direct), packets through the TUN and written back
 // (verbatim), TCP terminated in meshtun's netstack and sent on by kernel
 // sockets (passthrough), cross-node HBONE mTLS (mesh) and, on request, the
-// tun2socks peer on the same TUN path. Measurements are interleaved — every
-// scenario runs on every path before the next repetition starts — and each
+// tun2socks peer on the same TUN path. Measurements are interleaved — each
+// scenario runs on every path in turn before the next scenario, and the
+// whole list again in each repetition, the path order rotated — and each
 // figure is reported as the median of the repetitions with their minimum
 // and maximum. The traffic generators are the suite's own Go code (package
 // gen); proxy CPU and memory come from /proc (package procstat); the
