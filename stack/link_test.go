@@ -517,3 +517,26 @@ func TestVerbatimNoAlloc(t *testing.T) {
 		}
 	}
 }
+
+// TestHeadersEnd: where deliver splits headers from payload.
+func TestHeadersEnd(t *testing.T) {
+	for _, fam := range families {
+		p := seg{src: fam.src, dst: fam.dst, seq: 1, flags: header.TCPFlagSyn, mss: 1400, payload: []byte("hello")}.build()
+		l3 := header.IPv4MinimumSize
+		if fam.src.Addr().Is6() {
+			l3 = header.IPv6MinimumSize
+		}
+		if got, want := headersEnd(p), l3+24; got != want {
+			t.Errorf("%s: headersEnd = %d, want %d (IP + TCP with MSS option)", fam.name, got, want)
+		}
+		p[l3+12] = 0x40 // data offset 16 bytes: malformed
+		if got := headersEnd(p); got != 0 {
+			t.Errorf("%s: headersEnd of a bad data offset = %d, want 0", fam.name, got)
+		}
+	}
+	udp := seg{src: families[0].src, dst: families[0].dst, payload: make([]byte, 10)}.build()
+	udp[9] = uint8(header.UDPProtocolNumber)
+	if got := headersEnd(udp); got != 0 {
+		t.Errorf("headersEnd of UDP = %d, want 0", got)
+	}
+}
