@@ -173,6 +173,10 @@ func (st *Stack) DialTCP(ctx context.Context, src, dst netip.AddrPort) (*Conn, e
 	if terr != nil {
 		return nil, fmt.Errorf("stack: dial %s from %s: %s", dst, src, terr)
 	}
+	// Bind to the tuple, not the port: the same source address and port
+	// may be in use (or in TIME_WAIT) towards another destination, as the
+	// spoofed clients' own kernels allow.
+	ep.SocketOptions().SetReuseAddress(true)
 	if terr := ep.Bind(fullAddr(src)); terr != nil {
 		ep.Close()
 		return nil, fmt.Errorf("stack: dial %s: bind %s: %w", dst, src, tcpipError(terr))

@@ -94,7 +94,7 @@ type ServerConfig struct {
 	HalfCloseLinger time.Duration
 	// OnRefusedConn, if set, is called for every connection refused
 	// before any request: a failed TLS handshake, no h2, no usable client
-	// certificate. For metrics.
+	// certificate. For metrics; it runs before the refusal is logged.
 	OnRefusedConn func(local, remote net.Addr, err error)
 	// Logger receives a line per refused request and failed handshake.
 	Logger zerolog.Logger
@@ -228,27 +228,27 @@ func (s *Server) ServeConn(ctx context.Context, c net.Conn) {
 	err := tc.HandshakeContext(hctx)
 	cancel()
 	if err != nil {
-		log.Warn().Err(err).Msg("hbone: TLS handshake failed")
 		s.refuseConn(c, err)
+		log.Warn().Err(err).Msg("hbone: TLS handshake failed")
 		return
 	}
 	st := tc.ConnectionState()
 	if st.NegotiatedProtocol != "h2" {
-		log.Warn().Str("alpn", st.NegotiatedProtocol).Msg("hbone: client did not negotiate h2")
 		s.refuseConn(c, fmt.Errorf("hbone: client negotiated %q, not h2", st.NegotiatedProtocol))
+		log.Warn().Str("alpn", st.NegotiatedProtocol).Msg("hbone: client did not negotiate h2")
 		return
 	}
 	// x/net/http2 sets Request.TLS only for requests with :scheme https,
 	// which CONNECT has not: take the peer from the connection.
 	if len(st.PeerCertificates) == 0 {
-		log.Warn().Msg("hbone: client presented no certificate")
 		s.refuseConn(c, errors.New("hbone: client presented no certificate"))
+		log.Warn().Msg("hbone: client presented no certificate")
 		return
 	}
 	ci := &connInfo{}
 	if ci.peer, err = x509svid.IDFromCert(st.PeerCertificates[0]); err != nil {
-		log.Warn().Err(err).Msg("hbone: client certificate has no SPIFFE ID")
 		s.refuseConn(c, err)
+		log.Warn().Err(err).Msg("hbone: client certificate has no SPIFFE ID")
 		return
 	}
 	ci.local, _ = addrPort(tc.LocalAddr())

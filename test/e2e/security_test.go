@@ -246,7 +246,7 @@ func TestSecurity(t *testing.T) {
 			t.Fatal(err)
 		}
 		conf := identity.ClientTLS(staticSource{svid, realBundle}, id2(t, "n2p3"))
-		attack(t, conf, id2(t, "n2p3"), "want "+id2(t, "n2p3").String(), "")
+		attack(t, conf, id2(t, "n2p3"), "want "+id2(t, "n2p3").String(), "bad certificate")
 	})
 	t.Run("refused handshakes are counted as TLS_FAILURE", func(t *testing.T) {
 		// The five refusals above: four clients the server refused, and
