@@ -136,6 +136,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	}
 	defer n.hc.Close()
 
+	cfg.TUN.Logger = log
 	dev, err := tun.Open(cfg.TUN)
 	if err != nil {
 		return err

@@ -60,8 +60,8 @@ func BenchmarkPaths(b *testing.B) {
 	run("verbatim", meshDst)
 	m1.stop(syscall.SIGTERM)
 	m2.stop(syscall.SIGTERM)
-	startMeshNode(b, c, n1, outside, nil, "--log-level", "warn")
-	startMeshNode(b, c, n2, outside, nil, "--log-level", "warn")
+	startMeshNode(b, c, n1, outside, nil, "--log-level", "info")
+	startMeshNode(b, c, n2, outside, nil, "--log-level", "info")
 	run("passthrough", plainDst)
 	run("mesh", meshDst)
 }
