@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"sync"
 
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
@@ -40,8 +41,12 @@ type RoutingConfig struct {
 
 // Routing is the set of rules and routes installed for one TUN device.
 type Routing struct {
-	rules  []*netlink.Rule
-	routes []*netlink.Route
+	mu      sync.Mutex // Update and Close
+	cfg     RoutingConfig
+	exempt  []*netlink.Rule // iif <tun>, iif lo → main
+	capture []*netlink.Rule // iif <pod link>, to <pod> → table
+	routes  []*netlink.Route
+	closed  bool
 }
 
 // InstallRouting removes whatever an earlier run left in the table and then
@@ -77,32 +82,100 @@ func InstallRouting(dev *Device, cfg RoutingConfig) (*Routing, error) {
 			rule.Priority = cfg.Priority - 1
 			rule.Table = unix.RT_TABLE_MAIN
 			rule.IifName = iif
-			if err := r.addRule(rule); err != nil {
-				return nil, err
+			if err := netlink.RuleAdd(rule); err != nil {
+				r.Close()
+				return nil, fmt.Errorf("tun: add rule %s: %w", rule, err)
 			}
+			r.exempt = append(r.exempt, rule)
 		}
 	}
-	for _, link := range cfg.CaptureLinks {
+	r.cfg = cfg
+	if err := r.Update(cfg.CaptureLinks, cfg.PodPrefixes); err != nil {
+		r.Close()
+		return nil, err
+	}
+	return r, nil
+}
+
+// captureRules returns the rules that route the traffic of links and pods
+// into the table.
+func (r *Routing) captureRules(links []string, pods []netip.Prefix) []*netlink.Rule {
+	var rules []*netlink.Rule
+	for _, link := range links {
 		for _, family := range []int{unix.AF_INET, unix.AF_INET6} {
-			rule := newRule(cfg, family)
+			rule := newRule(r.cfg, family)
 			rule.IifName = link
-			if err := r.addRule(rule); err != nil {
-				return nil, err
-			}
+			rules = append(rules, rule)
 		}
 	}
-	for _, p := range cfg.PodPrefixes {
+	for _, p := range pods {
 		family := unix.AF_INET
 		if p.Addr().Is6() {
 			family = unix.AF_INET6
 		}
-		rule := newRule(cfg, family)
+		rule := newRule(r.cfg, family)
 		rule.Dst = prefixToIPNet(p)
-		if err := r.addRule(rule); err != nil {
-			return nil, err
+		rules = append(rules, rule)
+	}
+	return rules
+}
+
+func ruleKey(r *netlink.Rule) string {
+	return fmt.Sprintf("%d|%s|%v", r.Family, r.IifName, r.Dst)
+}
+
+// Update changes the captured links and pod addresses, for a node whose
+// pods come and go. New rules are added before old ones are removed, so
+// capture never lapses for a pod that stays.
+func (r *Routing) Update(links []string, pods []netip.Prefix) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return errors.New("tun: routing already removed")
+	}
+	want := r.captureRules(links, pods)
+	have := make(map[string]*netlink.Rule, len(r.capture))
+	for _, rule := range r.capture {
+		have[ruleKey(rule)] = rule
+	}
+	keep := make(map[string]bool, len(want))
+	var next []*netlink.Rule
+	for _, rule := range want {
+		k := ruleKey(rule)
+		if keep[k] {
+			continue
+		}
+		keep[k] = true
+		if old, ok := have[k]; ok {
+			next = append(next, old)
+			continue
+		}
+		if err := netlink.RuleAdd(rule); err != nil {
+			r.capture = append(next, r.unkept(keep)...)
+			return fmt.Errorf("tun: add rule %s: %w", rule, err)
+		}
+		next = append(next, rule)
+	}
+	var errs []error
+	for _, rule := range r.unkept(keep) {
+		if err := netlink.RuleDel(rule); err != nil && !errors.Is(err, unix.ENOENT) {
+			errs = append(errs, fmt.Errorf("tun: delete rule %s: %w", rule, err))
+			next = append(next, rule)
 		}
 	}
-	return r, nil
+	r.capture = next
+	return errors.Join(errs...)
+}
+
+// unkept returns the installed capture rules whose keys are not in keep.
+func (r *Routing) unkept(keep map[string]bool) []*netlink.Rule {
+	var out []*netlink.Rule
+	for _, rule := range r.capture {
+		if !keep[ruleKey(rule)] {
+			out = append(out, rule)
+		}
+	}
+	return out
 }
 
 func newRule(cfg RoutingConfig, family int) *netlink.Rule {
@@ -113,20 +186,14 @@ func newRule(cfg RoutingConfig, family int) *netlink.Rule {
 	return rule
 }
 
-func (r *Routing) addRule(rule *netlink.Rule) error {
-	if err := netlink.RuleAdd(rule); err != nil {
-		r.Close()
-		return fmt.Errorf("tun: add rule %s: %w", rule, err)
-	}
-	r.rules = append(r.rules, rule)
-	return nil
-}
-
 // Close removes the rules and routes. Routes through the TUN also vanish
 // when the device is closed; removing them here keeps the order explicit.
 func (r *Routing) Close() error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.closed = true
 	var errs []error
-	for _, rule := range r.rules {
+	for _, rule := range append(r.capture, r.exempt...) {
 		if err := netlink.RuleDel(rule); err != nil && !errors.Is(err, unix.ENOENT) {
 			errs = append(errs, fmt.Errorf("tun: delete rule %s: %w", rule, err))
 		}
@@ -136,7 +203,7 @@ func (r *Routing) Close() error {
 			errs = append(errs, fmt.Errorf("tun: delete route %s: %w", rt, err))
 		}
 	}
-	r.rules, r.routes = nil, nil
+	r.capture, r.exempt, r.routes = nil, nil, nil
 	return errors.Join(errs...)
 }
 

@@ -85,7 +85,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	}
 	locals := localWorkloads(cfg.Mesh, cfg.Name)
 	if len(locals) == 0 {
-		return fmt.Errorf("node %q: no mesh workloads on this node", cfg.Name)
+		log.Warn().Str("node", cfg.Name).Msg("no mesh workloads on this node yet; the config file may add some")
 	}
 	if cfg.DrainPeriod == 0 {
 		cfg.DrainPeriod = DefaultDrainPeriod
@@ -211,19 +211,14 @@ func Run(ctx context.Context, cfg Config) (err error) {
 		return fmt.Errorf("node: metrics: %w", err)
 	}
 
-	var pods []netip.Prefix
-	for _, w := range locals {
-		for _, a := range w.Addresses {
-			pods = append(pods, netip.PrefixFrom(a, a.BitLen()))
-		}
-	}
 	routes, err = tun.InstallRouting(dev, tun.RoutingConfig{
 		CaptureLinks: cfg.CaptureLinks,
-		PodPrefixes:  pods,
+		PodPrefixes:  podPrefixes(locals),
 	})
 	if err != nil {
 		return err
 	}
+	n.routes = routes
 
 	if cfg.ConfigPath != "" {
 		go watchConfig(runCtx, cfg.ConfigPath, n, log)
@@ -262,7 +257,19 @@ type node struct {
 	cls     *classify.Classifier
 	st      *stack.Stack
 	px      *proxy.Proxy
+	routes  *tun.Routing
 	ready   atomic.Bool
+}
+
+// podPrefixes returns the host prefixes of the workloads' addresses.
+func podPrefixes(ws []*registry.Workload) []netip.Prefix {
+	var pods []netip.Prefix
+	for _, w := range ws {
+		for _, a := range w.Addresses {
+			pods = append(pods, netip.PrefixFrom(a, a.BitLen()))
+		}
+	}
+	return pods
 }
 
 // dataPlaneStats reads the packet path's counters for a scrape.
@@ -346,6 +353,13 @@ func watchConfig(ctx context.Context, path string, n *node, log zerolog.Logger) 
 			}
 		}
 		n.reg.Store(snap)
+		// Capture follows the node's workloads: pods added to this node
+		// are captured from now on (rules added before old ones go).
+		if nc, err := c.Node(n.cfg.Name); err != nil {
+			log.Error().Err(err).Str("config", path).Msg("config reload: this node is gone from the file; capture unchanged")
+		} else if err := n.routes.Update(nc.CaptureLinks, podPrefixes(localWorkloads(snap, n.cfg.Name))); err != nil {
+			log.Error().Err(err).Msg("config reload: update capture rules")
+		}
 		closed := n.px.Reauthorize()
 		log.Info().Str("config", path).Int("workloads", len(snap.Workloads)).Int("services", len(snap.Services)).
 			Int("policies", len(snap.Policies)).Int("connections_closed", closed).Msg("config reloaded")
