@@ -83,23 +83,32 @@ func (m *Metrics) Opened(c *Conn) {
 	m.opened.WithLabelValues(c.values()...).Inc()
 }
 
-// Closed counts a connection as closed with the bytes it moved: sent by
-// the client, and received by it.
-func (m *Metrics) Closed(c *Conn, sent, received int64) {
+// Closed counts a connection as closed. Its bytes are counted while it
+// runs, through Bytes.
+func (m *Metrics) Closed(c *Conn) {
 	if m == nil {
 		return
 	}
+	m.closed.WithLabelValues(c.values()...).Inc()
+}
+
+// Bytes returns the byte counters of a connection, sent by the client and
+// received by it, for the relay to add to as data moves (so that a long
+// connection shows in the metrics before it ends). Adding to them is an
+// atomic add. A nil Metrics returns nil counters.
+func (m *Metrics) Bytes(c *Conn) (sent, received prometheus.Counter) {
+	if m == nil {
+		return nil, nil
+	}
 	v := c.values()
-	m.closed.WithLabelValues(v...).Inc()
-	m.sent.WithLabelValues(v...).Add(float64(sent))
-	m.received.WithLabelValues(v...).Add(float64(received))
+	return m.sent.WithLabelValues(v...), m.received.WithLabelValues(v...)
 }
 
 // Refused counts a connection that was refused before it opened (policy,
 // connect failure): opened and closed at once, with no bytes.
 func (m *Metrics) Refused(c *Conn) {
 	m.Opened(c)
-	m.Closed(c, 0, 0)
+	m.Closed(c)
 }
 
 // Register adds a collector (the data-plane figures) to the registry.

@@ -72,7 +72,7 @@ func (p *Proxy) connect(ctx context.Context, r *hbone.Request) (net.Conn, error)
 		return fail(hbone.ErrUnreachable, err)
 	}
 	rec.opened()
-	cc := &countedConn{Conn: up}
+	cc := &countedConn{Conn: up, onSent: rec.sent, onRecv: rec.received}
 	t := p.open.add(az.req, func() { cc.Abort() })
 	a := p.active.add(az.req, func() { cc.Abort() })
 	cc.done = func(sent, recv int64, reset bool) {
@@ -139,11 +139,16 @@ type countedConn struct {
 	reset      atomic.Bool
 	closed     atomic.Bool
 	done       func(sent, recv int64, reset bool)
+	// onSent and onRecv are told of bytes as they move (live metrics).
+	onSent, onRecv func(int)
 }
 
 func (c *countedConn) Read(b []byte) (int, error) {
 	n, err := c.Conn.Read(b)
 	c.recv.Add(int64(n))
+	if n > 0 {
+		c.onRecv(n)
+	}
 	if err != nil && errors.Is(err, syscall.ECONNRESET) {
 		c.reset.Store(true)
 	}
@@ -153,6 +158,9 @@ func (c *countedConn) Read(b []byte) (int, error) {
 func (c *countedConn) Write(b []byte) (int, error) {
 	n, err := c.Conn.Write(b)
 	c.sent.Add(int64(n))
+	if n > 0 {
+		c.onSent(n)
+	}
 	return n, err
 }
 

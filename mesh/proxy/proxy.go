@@ -189,6 +189,17 @@ func (p *Proxy) passthrough(rec *record, req *stack.TCPRequest, target netip.Add
 // up until both are done, and reports the connection. authz, if not nil,
 // is re-evaluated on policy changes.
 func (p *Proxy) relayAccepted(rec *record, req *stack.TCPRequest, up net.Conn, authz *authorized) {
+	// Tracked before the client's handshake completes, so that a drain
+	// that starts the moment the client sees its connection open waits
+	// for it. Resetting up is enough to abort: the relay then resets the
+	// client's side too.
+	abort := func() { reset(up) }
+	if authz != nil {
+		t := p.open.add(authz.req, abort)
+		defer p.open.remove(t)
+	}
+	a := p.active.add(authz.request(), abort)
+	defer p.active.remove(a)
 	down, err := req.Accept()
 	if err != nil {
 		reset(up)
@@ -196,14 +207,7 @@ func (p *Proxy) relayAccepted(rec *record, req *stack.TCPRequest, up net.Conn, a
 		return
 	}
 	rec.opened()
-	abort := func() { reset(down); reset(up) }
-	if authz != nil {
-		t := p.open.add(authz.req, abort)
-		defer p.open.remove(t)
-	}
-	a := p.active.add(authz.request(), abort)
-	res := relay(down, up)
-	p.active.remove(a)
+	res := relay(down, up, rec.sent, rec.received)
 	rec.done(res.AToB, res.BToA, res.Reset)
 }
 

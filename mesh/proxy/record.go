@@ -5,6 +5,7 @@ import (
 	"net/netip"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
 
 	"github.com/meshtun/meshtun/mesh/metrics"
@@ -26,6 +27,8 @@ type record struct {
 	service           string
 	secure            bool     // mutual TLS (HBONE) or in-proxy with identities
 	reporters         []string // "source" and/or "destination"
+
+	sentCtrs, recvCtrs []prometheus.Counter // per reporter, set by opened
 }
 
 // newRecord starts the record of a connection from src to dst.
@@ -129,6 +132,24 @@ func (r *record) opened() {
 	for _, rep := range r.reporters {
 		c := r.labels(rep, "-")
 		r.p.cfg.Metrics.Opened(&c)
+		if sent, recv := r.p.cfg.Metrics.Bytes(&c); sent != nil {
+			r.sentCtrs = append(r.sentCtrs, sent)
+			r.recvCtrs = append(r.recvCtrs, recv)
+		}
+	}
+}
+
+// sent counts n bytes sent by the client; received, n received by it.
+// The relay calls them as data moves.
+func (r *record) sent(n int) {
+	for _, c := range r.sentCtrs {
+		c.Add(float64(n))
+	}
+}
+
+func (r *record) received(n int) {
+	for _, c := range r.recvCtrs {
+		c.Add(float64(n))
 	}
 }
 
@@ -137,7 +158,7 @@ func (r *record) opened() {
 func (r *record) done(sent, recv int64, reset bool) {
 	for _, rep := range r.reporters {
 		c := r.labels(rep, "-")
-		r.p.cfg.Metrics.Closed(&c, sent, recv)
+		r.p.cfg.Metrics.Closed(&c)
 	}
 	if r.p.quiet.Load() {
 		return

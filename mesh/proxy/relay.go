@@ -32,10 +32,11 @@ type relayResult struct {
 }
 
 // relay copies between a and b until both directions are done, then closes
-// both. Each direction ends on its own: EOF from one side becomes a
+// both. onAB and onBA, if not nil, are told of every chunk written (for
+// live byte metrics). Each direction ends on its own: EOF from one side becomes a
 // half-close (FIN) towards the other while the opposite direction goes on.
 // A reset on either side becomes a reset on the other, never a FIN.
-func relay(a, b net.Conn) relayResult {
+func relay(a, b net.Conn, onAB, onBA func(int)) relayResult {
 	var res relayResult
 	var wg sync.WaitGroup
 	var resetOnce sync.Once
@@ -49,9 +50,9 @@ func relay(a, b net.Conn) relayResult {
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		res.BToA = copyHalf(a, b, resetBoth)
+		res.BToA = copyHalf(a, b, resetBoth, onBA)
 	}()
-	res.AToB = copyHalf(b, a, resetBoth)
+	res.AToB = copyHalf(b, a, resetBoth, onAB)
 	wg.Wait()
 	a.Close()
 	b.Close()
@@ -60,7 +61,7 @@ func relay(a, b net.Conn) relayResult {
 
 // copyHalf copies src to dst. On EOF it half-closes dst; on any other error
 // (a reset, or a write to a reset peer) it calls abort.
-func copyHalf(dst, src net.Conn, abort func()) int64 {
+func copyHalf(dst, src net.Conn, abort func(), onWrite func(int)) int64 {
 	bp := relayBufs.Get().(*[]byte)
 	defer relayBufs.Put(bp)
 	buf := *bp
@@ -70,6 +71,9 @@ func copyHalf(dst, src net.Conn, abort func()) int64 {
 		if n > 0 {
 			w, werr := dst.Write(buf[:n])
 			total += int64(w)
+			if onWrite != nil && w > 0 {
+				onWrite(w)
+			}
 			if werr != nil {
 				abort()
 				return total

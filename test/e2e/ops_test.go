@@ -158,6 +158,27 @@ func TestOperations(t *testing.T) {
 		}
 	})
 
+	t.Run("bytes are counted while a connection is open", func(t *testing.T) {
+		const chunk = 300_000
+		serve(t, p21, 7303, func(c net.Conn) {
+			io.CopyN(io.Discard, c, chunk)
+			c.Write([]byte{1}) // got it
+			io.Copy(io.Discard, c)
+		})
+		labels := map[string]string{"reporter": "source", "source_workload": "n1p1", "destination_workload": "n2p1", "response_flags": "-"}
+		before := value(scrape(t, n1), "istio_tcp_sent_bytes_total", labels)
+		cl := dial(t, p11.NS, p21.IPv4, 7303)
+		io.Copy(cl, stream(6, chunk))
+		cl.SetReadDeadline(time.Now().Add(10 * time.Second))
+		if _, err := io.ReadFull(cl, make([]byte, 1)); err != nil {
+			t.Fatalf("server did not confirm: %v", err)
+		}
+		after := value(scrape(t, n1), "istio_tcp_sent_bytes_total", labels)
+		if after-before != chunk {
+			t.Fatalf("istio_tcp_sent_bytes_total grew by %v while the connection is open, want %v", after-before, chunk)
+		}
+		cl.Close()
+	})
 	t.Run("admin config_dump and logging", func(t *testing.T) {
 		code, body := httpGet(t, n1.NS, "http://127.0.0.1:15000/config_dump")
 		if code != 200 || !strings.Contains(body, `"identity": "`+id("n1p1")+`"`) || !strings.Contains(body, `"no-7666"`) {
