@@ -20,14 +20,6 @@ func (e *deniedError) Error() string { return e.d.String() }
 // authorized is a connection the destination's policies allowed.
 type authorized struct{ req policy.Request }
 
-// request returns the authorized request; the zero Request for nil.
-func (a *authorized) request() policy.Request {
-	if a == nil {
-		return policy.Request{}
-	}
-	return a.req
-}
-
 // authorize applies the destination's authorization policies (and its
 // peer-authentication mode) to a connection from peer (zero if
 // unauthenticated) at src to dst, the workload's address and target port.
@@ -40,8 +32,8 @@ func (p *Proxy) authorize(snap *registry.Snapshot, peer spiffeid.ID, src netip.A
 	return &authorized{req: r}, nil
 }
 
-// tracker holds open connections, so that a policy change can close
-// those it no longer allows, and a drain can wait for them.
+// tracker holds the open connections, so that a drain can wait for them
+// and a policy change can close the authorized ones it no longer allows.
 type tracker struct {
 	mu      sync.Mutex
 	conns   map[*tracked]struct{}
@@ -49,12 +41,12 @@ type tracker struct {
 }
 
 type tracked struct {
-	req   policy.Request
+	az    *authorized // nil: not subject to authorization (passthrough, outbound)
 	abort func()
 }
 
-func (t *tracker) add(req policy.Request, abort func()) *tracked {
-	c := &tracked{req: req, abort: abort}
+func (t *tracker) add(az *authorized, abort func()) *tracked {
+	c := &tracked{az: az, abort: abort}
 	t.mu.Lock()
 	if t.conns == nil {
 		t.conns = make(map[*tracked]struct{})
@@ -107,10 +99,14 @@ func (p *Proxy) Reauthorize() int {
 	var denied []*tracked
 	p.open.mu.Lock()
 	for c := range p.open.conns {
-		if d := snap.Authorize(&c.req); !d.Allowed {
+		if c.az == nil {
+			continue
+		}
+		req := &c.az.req
+		if d := snap.Authorize(req); !d.Allowed {
 			denied = append(denied, c)
-			p.log.Info().Str("src.addr", c.req.Source.String()).Str("dst.addr", c.req.Dest.String()).
-				Str("src.identity", c.req.Peer.String()).Str("error", d.String()).
+			p.log.Info().Str("src.addr", req.Source.String()).Str("dst.addr", req.Dest.String()).
+				Str("src.identity", req.Peer.String()).Str("error", d.String()).
 				Msg("open connection no longer allowed; closing it")
 		}
 	}
@@ -127,14 +123,14 @@ func (p *Proxy) Reauthorize() int {
 func (p *Proxy) Drain(ctx context.Context) int {
 	p.StopNew()
 	for {
-		n, removed := p.active.len()
+		n, removed := p.open.len()
 		if n == 0 {
 			return 0
 		}
 		select {
 		case <-removed:
 		case <-ctx.Done():
-			return p.active.abortAll()
+			return p.open.abortAll()
 		}
 	}
 }
@@ -144,6 +140,6 @@ func (p *Proxy) StopNew() { p.draining.Store(true) }
 
 // Open returns the number of connections the proxy relays now.
 func (p *Proxy) Open() int {
-	n, _ := p.active.len()
+	n, _ := p.open.len()
 	return n
 }

@@ -73,11 +73,9 @@ func (p *Proxy) connect(ctx context.Context, r *hbone.Request) (net.Conn, error)
 	}
 	rec.opened()
 	cc := &countedConn{Conn: up, onSent: rec.sent, onRecv: rec.received}
-	t := p.open.add(az.req, func() { cc.Abort() })
-	a := p.active.add(az.req, func() { cc.Abort() })
+	t := p.open.add(az, func() { cc.Abort() })
 	cc.done = func(sent, recv int64, reset bool) {
 		p.open.remove(t)
-		p.active.remove(a)
 		rec.done(sent, recv, reset)
 	}
 	return cc, nil

@@ -74,8 +74,7 @@ type Proxy struct {
 	server   atomic.Pointer[hbone.Server]
 	draining atomic.Bool
 	quiet    atomic.Bool // access log off
-	open     tracker     // authorized connections, for Reauthorize
-	active   tracker     // every relayed connection, for Drain
+	open     tracker     // relayed connections, for Drain and Reauthorize
 }
 
 // New returns a Proxy whose connections live until ctx is done.
@@ -193,13 +192,8 @@ func (p *Proxy) relayAccepted(rec *record, req *stack.TCPRequest, up net.Conn, a
 	// that starts the moment the client sees its connection open waits
 	// for it. Resetting up is enough to abort: the relay then resets the
 	// client's side too.
-	abort := func() { reset(up) }
-	if authz != nil {
-		t := p.open.add(authz.req, abort)
-		defer p.open.remove(t)
-	}
-	a := p.active.add(authz.request(), abort)
-	defer p.active.remove(a)
+	t := p.open.add(authz, func() { reset(up) })
+	defer p.open.remove(t)
 	down, err := req.Accept()
 	if err != nil {
 		reset(up)
