@@ -259,6 +259,7 @@ func TestDataPath(t *testing.T) {
 		if err := <-got; !isReset(err) {
 			t.Fatalf("server read after client reset: %v, want connection reset (not EOF)", err)
 		}
+		wantFields(t, accessLog(t, m1, cl, "connection complete"), "route", "hbone", "error", "connection reset")
 	})
 	t.Run("refused port through the tunnel is a reset", func(t *testing.T) {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -266,6 +267,15 @@ func TestDataPath(t *testing.T) {
 		_, err := p11.Dial(ctx, "tcp", netip.AddrPortFrom(p21.IPv4, 7999).String())
 		if err == nil || !errors.Is(err, syscall.ECONNREFUSED) {
 			t.Fatalf("dial a closed port: %v, want connection refused", err)
+		}
+		// The refusal came back through the tunnel (a 503 from node 2).
+		lctx, lcancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer lcancel()
+		dst := netip.AddrPortFrom(p21.IPv4, 7999).String()
+		if _, err := m1.WaitLog(lctx, func(l noderun.Line) bool {
+			return l.Str("message") == "connection refused" && l.Str("dst.addr") == dst && l.Str("route") == "hbone"
+		}); err != nil {
+			t.Fatalf("node 1 logged no HBONE refusal for %s: %v", dst, err)
 		}
 	})
 	t.Run("1000 concurrent tunnelled connections", func(t *testing.T) {
@@ -354,19 +364,35 @@ func TestDataPath(t *testing.T) {
 		}
 		echo(t, cl)
 	})
+	// throughTUN runs traffic and checks that node 1 forwarded packets of
+	// protocol verbatim meanwhile: the traffic crossed the TUN, not a
+	// path around it.
+	throughTUN := func(t *testing.T, protocol string, traffic func()) {
+		t.Helper()
+		labels := map[string]string{"verdict": "verbatim", "protocol": protocol}
+		before := value(scrape(t, n1), "meshtun_packets_total", labels)
+		traffic()
+		if after := value(scrape(t, n1), "meshtun_packets_total", labels); after <= before {
+			t.Fatalf("node 1 forwarded no %s packets verbatim (%v before, %v after)", protocol, before, after)
+		}
+	}
 	t.Run("UDP request/response", func(t *testing.T) {
-		udpEcho(t, p11.NS, p11.IPv4, p21.NS, p21.IPv4, 9001)
-		udpEcho(t, p11.NS, p11.IPv6, p21.NS, p21.IPv6, 9003)
+		throughTUN(t, "udp", func() {
+			udpEcho(t, p11.NS, p11.IPv4, p21.NS, p21.IPv4, 9001)
+			udpEcho(t, p11.NS, p11.IPv6, p21.NS, p21.IPv6, 9003)
+		})
 	})
 	t.Run("UDP burst of 10000 datagrams", func(t *testing.T) {
-		udpBurst(t, p11.NS, p21.NS, p21.IPv4, 10000)
+		throughTUN(t, "udp", func() { udpBurst(t, p11.NS, p21.NS, p21.IPv4, 10000) })
 	})
 	t.Run("ICMP echo", func(t *testing.T) {
-		ping(t, p11.NS, p21.IPv4)
-		ping(t, p11.NS, p21.IPv6)
+		throughTUN(t, "icmp", func() {
+			ping(t, p11.NS, p21.IPv4)
+			ping(t, p11.NS, p21.IPv6)
+		})
 	})
 	t.Run("unknown IP protocol 253 arrives byte-identical", func(t *testing.T) {
-		rawProto(t, p11.NS, p21.NS, p11.IPv4, p21.IPv4)
+		throughTUN(t, "other", func() { rawProto(t, p11.NS, p21.NS, p11.IPv4, p21.IPv4) })
 	})
 
 	// Stop both proxies: routing must be exactly as before.

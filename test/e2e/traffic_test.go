@@ -5,7 +5,6 @@ import (
 	"crypto/sha256"
 	"errors"
 	"fmt"
-	"hash"
 	"io"
 	"math/rand/v2"
 	"net"
@@ -142,5 +141,3 @@ func exchange(t testing.TB, c net.Conn, n int64) {
 func isReset(err error) bool {
 	return errors.Is(err, syscall.ECONNRESET)
 }
-
-func newHash() hash.Hash { return sha256.New() }
