@@ -70,7 +70,7 @@ type linkEndpoint struct {
 	wg      sync.WaitGroup
 	stop    atomic.Bool
 	scratch sync.Pool // of *writeScratch
-	stats   *Stats
+	stats   *linkStats
 
 	mu         sync.RWMutex
 	dispatcher stack.NetworkDispatcher
@@ -81,7 +81,7 @@ var (
 	_ stack.GSOEndpoint  = (*linkEndpoint)(nil)
 )
 
-func newLinkEndpoint(dev Device, cls *classify.Classifier, log zerolog.Logger, stats *Stats) *linkEndpoint {
+func newLinkEndpoint(dev Device, cls *classify.Classifier, log zerolog.Logger, stats *linkStats) *linkEndpoint {
 	e := &linkEndpoint{dev: dev, cls: cls, mtu: uint32(dev.MTU()), log: log, stats: stats}
 	if od, ok := dev.(OffloadDevice); ok {
 		e.vdev = od

@@ -48,8 +48,8 @@ type Config struct {
 	Logger    zerolog.Logger
 }
 
-// Stats are the data-path counters of a Stack.
-type Stats struct {
+// linkStats are the link endpoint's counters, read through Stack.Stats.
+type linkStats struct {
 	Drops               atomic.Uint64 // packets the classifier dropped
 	VerbatimWriteErrors atomic.Uint64 // verbatim packets the TUN refused
 	BadChecksums        atomic.Uint64 // intercepted packets dropped for a wrong checksum
@@ -60,7 +60,7 @@ type Stack struct {
 	s     *stack.Stack
 	link  *linkEndpoint
 	log   zerolog.Logger
-	stats Stats
+	stats linkStats
 }
 
 // New builds the netstack on cfg.Device and starts reading packets.
