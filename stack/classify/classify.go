@@ -225,12 +225,12 @@ type Stats struct {
 
 // counters are the Classifier's statistics.
 type counters struct {
-	verbatim, intercepted, dropped atomic.Uint64
-	byProto                        [2][numProtos]struct{ packets, bytes atomic.Uint64 } // [verdict]
-	drops                          [numDropReasons]atomic.Uint64
-	outbound, outMalformed         atomic.Uint64
-	outNoFlow, outTableFull        atomic.Uint64
-	inserted, expired, replaced    atomic.Uint64
+	dropped                     atomic.Uint64
+	byProto                     [2][numProtos]struct{ packets, bytes atomic.Uint64 } // [verdict]
+	drops                       [numDropReasons]atomic.Uint64
+	outbound, outMalformed      atomic.Uint64
+	outNoFlow, outTableFull     atomic.Uint64
+	inserted, expired, replaced atomic.Uint64
 }
 
 type policyBox struct{ p Policy }
@@ -326,11 +326,7 @@ func (c *Classifier) Inbound(pkt []byte) (Verdict, DropReason) {
 	}
 	switch v {
 	case Verbatim, Intercept:
-		if v == Verbatim {
-			c.st.verbatim.Add(1)
-		} else {
-			c.st.intercepted.Add(1)
-		}
+		// The verdict totals are the sums over protocols (Stats).
 		bp := &c.st.byProto[v][protoOf(pkt)]
 		bp.packets.Add(1)
 		bp.bytes.Add(uint64(len(pkt)))
@@ -520,8 +516,6 @@ func (c *Classifier) Len() int { return int(c.count.Load()) }
 // so under load they may be off from each other by a few packets.
 func (c *Classifier) Stats() Stats {
 	s := Stats{
-		Verbatim:          c.st.verbatim.Load(),
-		Intercepted:       c.st.intercepted.Load(),
 		Dropped:           c.st.dropped.Load(),
 		Outbound:          c.st.outbound.Load(),
 		OutboundMalformed: c.st.outMalformed.Load(),
@@ -537,6 +531,8 @@ func (c *Classifier) Stats() Stats {
 	}
 	for p := range numProtos {
 		s.VerbatimPackets[p] = c.st.byProto[Verbatim][p].packets.Load()
+		s.Verbatim += s.VerbatimPackets[p]
+		s.Intercepted += c.st.byProto[Intercept][p].packets.Load()
 		s.VerbatimBytes[p] = c.st.byProto[Verbatim][p].bytes.Load()
 		s.InterceptedPackets[p] = c.st.byProto[Intercept][p].packets.Load()
 		s.InterceptedBytes[p] = c.st.byProto[Intercept][p].bytes.Load()
