@@ -41,6 +41,12 @@ type Options struct {
 	Repetitions int
 	// ProxyLogLevel is meshtun's --log-level; empty means its default.
 	ProxyLogLevel string
+	// Paths, if not empty, limits the meshtun paths measured (see
+	// topo.Spec.Paths); direct is always measured.
+	Paths []string
+	// Variant, if not nil, measures every meshtun path a second time as
+	// it says, interleaved with the first (see topo.Variant).
+	Variant *topo.Variant
 	// PprofDir, if set, receives CPU profiles of the meshtun proxies taken
 	// after the measurements, one TCP stream each way per path
 	// (<path>-meshtun-<node>-<up|down>.pprof).
@@ -156,7 +162,11 @@ func Run(ctx context.Context, o Options) (*report.Result, error) {
 	}
 	log := o.Log
 	o.Progress.note("bench: building the topology")
-	t, err := topo.Build(ctx, topo.Spec{Meshtun: o.Meshtun, Tun2socks: o.Tun2socks, LogLevel: o.ProxyLogLevel, Log: log})
+	if o.Variant != nil {
+		res.Variant = o.Variant.String()
+	}
+	t, err := topo.Build(ctx, topo.Spec{Meshtun: o.Meshtun, Tun2socks: o.Tun2socks, LogLevel: o.ProxyLogLevel,
+		Paths: o.Paths, Variant: o.Variant, Log: log})
 	if err != nil {
 		return nil, fmt.Errorf("bench: %w", err)
 	}
@@ -178,7 +188,8 @@ func Run(ctx context.Context, o Options) (*report.Result, error) {
 		for _, x := range p.Proxies {
 			proxies = append(proxies, x.Name)
 		}
-		res.Paths = append(res.Paths, report.Path{Name: p.Name, Description: p.Description, Peer: p.Peer, Proxies: proxies})
+		res.Paths = append(res.Paths, report.Path{Name: p.Name, Description: p.Description, Peer: p.Peer,
+			VariantOf: p.VariantOf, Proxies: proxies})
 	}
 	fail := func(l *lane, what string, err error) {
 		msg := fmt.Sprintf("%s/%s: %v", l.Name, what, err)

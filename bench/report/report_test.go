@@ -260,3 +260,43 @@ func TestSVGAxisEndsAtANiceStepAboveTheData(t *testing.T) {
 		t.Errorf("axis runs past 3000: %s", joined)
 	}
 }
+
+func TestTableComparesEachVariantWithItsPath(t *testing.T) {
+	r := sample()
+	r.Variant = "environment GOMAXPROCS=1"
+	r.Paths = append(r.Paths[:2:2], Path{Name: "mesh·B", VariantOf: "mesh"}, r.Paths[2])
+	r.Metrics[0].Values["mesh·B"] = NewValue([]float64{5})
+	r.Metrics[1].Values["mesh·B"] = NewValue([]float64{80})
+	r.Metrics[3].Values["mesh·B"] = NewValue([]float64{1})
+	var buf bytes.Buffer
+	if err := WriteTable(&buf, r); err != nil {
+		t.Fatal(err)
+	}
+	out := buf.String()
+	var bRows []string
+	for _, l := range strings.Split(out, "\n") {
+		if strings.HasPrefix(l, "  B vs A") {
+			bRows = append(bRows, l)
+		}
+	}
+	// Only TCP and rr p50 have both an A and a B value; the percentage
+	// gets no ratio at all.
+	if len(bRows) != 2 {
+		t.Fatalf("B vs A rows %q, want 2 (TCP, rr p50):\n%s", bRows, out)
+	}
+	if !strings.Contains(bRows[0], "×2.00") { // 5 ÷ 2.5
+		t.Errorf("TCP B vs A row %q lacks ×2.00", bRows[0])
+	}
+	if !strings.Contains(bRows[1], "−20.0µs ×0.8") { // 80 vs 100
+		t.Errorf("rr B vs A row %q lacks −20.0µs ×0.8", bRows[1])
+	}
+	if !strings.Contains(out, "B paths (·): environment GOMAXPROCS=1") {
+		t.Errorf("table does not say what B ran with:\n%s", out)
+	}
+	// Without a variant there is no such row.
+	buf.Reset()
+	WriteTable(&buf, sample())
+	if strings.Contains(buf.String(), "B vs A") {
+		t.Errorf("B vs A row without a variant:\n%s", buf.String())
+	}
+}

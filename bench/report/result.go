@@ -35,6 +35,9 @@ type Result struct {
 	// Baseline is the name of the path ratios are first taken to (the
 	// kernel alone).
 	Baseline string `json:"baseline"`
+	// Variant says what the B paths of an A/B comparison ran with (see
+	// Path.VariantOf); empty if the run had none.
+	Variant string `json:"variant,omitempty"`
 	// Paths are the measured paths, in display order.
 	Paths []Path `json:"paths"`
 	// Metrics are the figures, in display order.
@@ -59,6 +62,9 @@ type Path struct {
 	// Peer marks the other project's path, the second reference of the
 	// ratios.
 	Peer bool `json:"peer,omitempty"`
+	// VariantOf is set on the B path of an A/B comparison: the name of the
+	// A path it is compared with.
+	VariantOf string `json:"variant_of,omitempty"`
 	// Proxies are the proxy processes on the path.
 	Proxies []string `json:"proxies,omitempty"`
 }

@@ -12,7 +12,9 @@ import (
 // median and (min–max) range, and under it each path's ratio to the
 // baseline and to the peer (value ÷ reference; for latencies the added
 // time too; none for percentages such as loss, whose ratios mean
-// nothing). Paths are columns, in r.Paths order.
+// nothing). A variant path (the B of an A/B comparison) also gets its
+// ratio to its A path, on a row of its own. Paths are columns, in r.Paths
+// order.
 func WriteTable(w io.Writer, r *Result) error {
 	peer := r.Peer()
 	header := []string{"metric"}
@@ -37,6 +39,21 @@ func WriteTable(w io.Writer, r *Result) error {
 				s := ""
 				if p.Name != ref {
 					s = ratioCell(m, p.Name, ref)
+				}
+				any = any || s != ""
+				row = append(row, s)
+			}
+			if any {
+				rows = append(rows, row)
+			}
+		}
+		if m.Unit != "%" && hasVariants(r) {
+			row := []string{"  B vs A"}
+			any := false
+			for _, p := range r.Paths {
+				s := ""
+				if p.VariantOf != "" {
+					s = ratioCell(m, p.Name, p.VariantOf)
 				}
 				any = any || s != ""
 				row = append(row, s)
@@ -74,6 +91,9 @@ func WriteTable(w io.Writer, r *Result) error {
 	}
 	b.WriteString("cells: median (min–max) of the repetitions; “vs X”: ×median÷X's median")
 	b.WriteString(", and for latencies the time added over X\n")
+	if hasVariants(r) {
+		b.WriteString("B paths (·): " + r.Variant + "; “B vs A”: each B path against the same path of A\n")
+	}
 	if len(r.Errors) > 0 {
 		fmt.Fprintf(&b, "\n%d measurement(s) failed:\n", len(r.Errors))
 		for _, e := range r.Errors {
@@ -82,6 +102,16 @@ func WriteTable(w io.Writer, r *Result) error {
 	}
 	_, err := io.WriteString(w, b.String())
 	return err
+}
+
+// hasVariants reports whether r holds an A/B comparison.
+func hasVariants(r *Result) bool {
+	for _, p := range r.Paths {
+		if p.VariantOf != "" {
+			return true
+		}
+	}
+	return false
 }
 
 // cell formats a value as "median (min–max)", or "—" if there is none.

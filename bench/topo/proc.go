@@ -29,8 +29,11 @@ const keptLines = 40
 // connection (both meshtun and tun2socks do at their default level) never
 // blocks on a full pipe, and the benchmark does not spend its CPU parsing
 // logs. The cluster stops the process on Close.
-func startLogged(ctx context.Context, n *cluster.Node, ready func(line []byte) bool, name string, args ...string) (*cluster.Proc, error) {
+func startLogged(ctx context.Context, n *cluster.Node, env []string, ready func(line []byte) bool, name string, args ...string) (*cluster.Proc, error) {
 	cmd := n.Command(context.WithoutCancel(ctx), name, args...)
+	if len(env) > 0 {
+		cmd.Env = append(os.Environ(), env...)
+	}
 	pr, pw, err := os.Pipe()
 	if err != nil {
 		return nil, fmt.Errorf("topo: start %s in %s: %w", name, n.Name(), err)
@@ -84,11 +87,12 @@ func startLogged(ctx context.Context, n *cluster.Node, ready func(line []byte) b
 	}
 }
 
-// startMeshtun runs `meshtun node --node <n> <args>` in n's namespace and
-// waits for its ready message.
-func startMeshtun(ctx context.Context, bin string, n *cluster.Node, args ...string) (*cluster.Proc, error) {
+// startMeshtun runs `meshtun node --node <n> <args>` in n's namespace,
+// with env (KEY=VALUE) added to its environment, and waits for its ready
+// message.
+func startMeshtun(ctx context.Context, bin string, env []string, n *cluster.Node, args ...string) (*cluster.Proc, error) {
 	args = append(append([]string{"node"}, noderun.Args(n)...), args...)
-	return startLogged(ctx, n, func(line []byte) bool {
+	return startLogged(ctx, n, env, func(line []byte) bool {
 		if !bytes.Contains(line, []byte(node.ReadyMessage)) {
 			return false
 		}

@@ -6,11 +6,14 @@
 package topo
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"net/netip"
 	"os"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -56,6 +59,12 @@ type Path struct {
 	Src, Dst *cluster.Pod
 	// Proxies are the proxy processes on the way; none on Direct.
 	Proxies []Proxy
+	// Kind is the kind of path, one of the path names: a variant path's
+	// Name carries the variant's label, its Kind does not.
+	Kind string
+	// VariantOf is, on a variant path (the B of an A/B comparison), the
+	// name of the path it is compared with; empty otherwise.
+	VariantOf string
 }
 
 // Spec says what to build.
@@ -66,8 +75,56 @@ type Spec struct {
 	Tun2socks string
 	// LogLevel is meshtun's --log-level ("info", its default, if empty).
 	LogLevel string
+	// Paths, if not empty, limits the meshtun paths to these kinds
+	// (Verbatim, Passthrough, Mesh). Direct is always built: it is the
+	// baseline.
+	Paths []string
+	// Variant, if not nil, builds every meshtun path a second time, run as
+	// it says, beside the first: an A/B comparison in one run.
+	Variant *Variant
 	// Log receives progress messages.
 	Log zerolog.Logger
+}
+
+// Variant is the B side of an A/B comparison: a meshtun build or setting
+// measured against the A side (Spec.Meshtun as is) on paths of its own,
+// interleaved with them.
+type Variant struct {
+	// Label is appended to the path names ("mesh·B"); "B" if empty.
+	Label string
+	// Meshtun is the binary; Spec.Meshtun if empty.
+	Meshtun string
+	// Env holds KEY=VALUE pairs added to the environment of its nodes.
+	Env []string
+	// Args are extra flags of its `meshtun node` commands.
+	Args []string
+}
+
+// name returns the variant path's name for a path kind.
+func (v *Variant) name(kind string) string {
+	l := v.Label
+	if l == "" {
+		l = "B"
+	}
+	return kind + "·" + l
+}
+
+// String says what the variant runs, for reports.
+func (v *Variant) String() string {
+	var parts []string
+	if v.Meshtun != "" {
+		parts = append(parts, "binary "+v.Meshtun)
+	}
+	if len(v.Env) > 0 {
+		parts = append(parts, "environment "+strings.Join(v.Env, " "))
+	}
+	if len(v.Args) > 0 {
+		parts = append(parts, "node flags "+strings.Join(v.Args, " "))
+	}
+	if len(parts) == 0 {
+		return "the same binary and settings as A"
+	}
+	return strings.Join(parts, ", ")
 }
 
 // Topology is a built topology. Close tears it down.
@@ -88,14 +145,17 @@ type Topology struct {
 type pathPlan struct {
 	name, desc string
 	peer       bool
+	kind       string   // name of the plan it copies; name if empty
+	variant    *Variant // set on the B copy of a meshtun path
+	variantOf  string
 }
 
 var plans = []pathPlan{
-	{Direct, "the kernel alone: pod → node → node → pod over veth and a bridge, no proxy", false},
-	{Verbatim, "meshtun on both nodes with --no-intercept: every packet through each node's TUN and written back", false},
-	{Passthrough, "meshtun on the client's node, server pod outside the mesh: TCP terminated in the netstack, sent on by a kernel socket", false},
-	{Mesh, "meshtun on both nodes, both pods in the mesh: HBONE (HTTP/2 CONNECT over mTLS) from node to node", false},
-	{Tun2socks, "tun2socks v2.6.0 on the client's node with -proxy direct:// on the same TUN path (same rules, MTU, queue length)", true},
+	{name: Direct, desc: "the kernel alone: pod → node → node → pod over veth and a bridge, no proxy", peer: false},
+	{name: Verbatim, desc: "meshtun on both nodes with --no-intercept: every packet through each node's TUN and written back", peer: false},
+	{name: Passthrough, desc: "meshtun on the client's node, server pod outside the mesh: TCP terminated in the netstack, sent on by a kernel socket", peer: false},
+	{name: Mesh, desc: "meshtun on both nodes, both pods in the mesh: HBONE (HTTP/2 CONNECT over mTLS) from node to node", peer: false},
+	{name: Tun2socks, desc: "tun2socks v2.6.0 on the client's node with -proxy direct:// on the same TUN path (same rules, MTU, queue length)", peer: true},
 }
 
 // meshtunAdmin is the admin address noderun.WriteConfig gives every node.
@@ -119,9 +179,9 @@ func Build(ctx context.Context, spec Spec) (*Topology, error) {
 	if spec.LogLevel == "" {
 		spec.LogLevel = "info"
 	}
-	ps := plans[:4]
-	if spec.Tun2socks != "" {
-		ps = plans
+	ps, err := choosePlans(spec)
+	if err != nil {
+		return nil, err
 	}
 	c, err := cluster.New(ctx, cluster.Spec{Name: "bench", Nodes: 2 * len(ps), PodsPerNode: 1, NoExternal: true, Log: spec.Log})
 	if err != nil {
@@ -132,6 +192,37 @@ func Build(ctx context.Context, spec Spec) (*Topology, error) {
 		return nil, errors.Join(err, t.Close())
 	}
 	return t, nil
+}
+
+// choosePlans returns the paths spec asks for, in display order: each
+// variant path right after the path it is compared with.
+func choosePlans(spec Spec) ([]pathPlan, error) {
+	for _, k := range spec.Paths {
+		if k != Verbatim && k != Passthrough && k != Mesh {
+			return nil, fmt.Errorf("topo: no meshtun path %q (want %s, %s or %s)", k, Verbatim, Passthrough, Mesh)
+		}
+	}
+	var ps []pathPlan
+	for _, p := range plans {
+		p.kind = p.name
+		switch {
+		case p.name == Tun2socks && spec.Tun2socks == "":
+			continue
+		case p.name == Direct || p.name == Tun2socks:
+			ps = append(ps, p)
+			continue
+		case len(spec.Paths) > 0 && !slices.Contains(spec.Paths, p.name):
+			continue
+		}
+		ps = append(ps, p)
+		if v := spec.Variant; v != nil {
+			b := p
+			b.name, b.variant, b.variantOf = v.name(p.name), v, p.name
+			b.desc = p.desc + "; run with " + v.String()
+			ps = append(ps, b)
+		}
+	}
+	return ps, nil
 }
 
 func (t *Topology) build(ctx context.Context, spec Spec, ps []pathPlan) error {
@@ -147,7 +238,7 @@ func (t *Topology) build(ctx context.Context, spec Spec, ps []pathPlan) error {
 	}
 	for i, p := range ps {
 		t.Paths = append(t.Paths, &Path{
-			Name: p.name, Description: p.desc, Peer: p.peer,
+			Name: p.name, Description: p.desc, Peer: p.peer, Kind: p.kind, VariantOf: p.variantOf,
 			Src: c.Nodes[2*i].Pods[0], Dst: c.Nodes[2*i+1].Pods[0],
 		})
 	}
@@ -157,18 +248,26 @@ func (t *Topology) build(ctx context.Context, spec Spec, ps []pathPlan) error {
 	}
 	t.dir = dir
 	m := noderun.Mesh{Pods: map[string]noderun.Pod{}}
-	if p := t.Path(Passthrough); p != nil {
-		m.Pods[p.Dst.ID] = noderun.Pod{Outside: true}
+	for _, p := range t.Paths {
+		if p.Kind == Passthrough {
+			m.Pods[p.Dst.ID] = noderun.Pod{Outside: true}
+		}
 	}
 	if t.ConfigPath, err = noderun.WriteConfig(c, dir, m); err != nil {
 		return fmt.Errorf("topo: %w", err)
 	}
-	for _, p := range t.Paths {
+	for i, p := range t.Paths {
 		var nodes []*cluster.Node
 		var extra []string
-		switch p.Name {
+		bin, env := spec.Meshtun, []string(nil)
+		if v := ps[i].variant; v != nil {
+			bin = cmp.Or(v.Meshtun, bin)
+			env = v.Env
+			extra = append(extra, v.Args...)
+		}
+		switch p.Kind {
 		case Verbatim:
-			nodes, extra = []*cluster.Node{p.Src.Node, p.Dst.Node}, []string{"--no-intercept"}
+			nodes, extra = []*cluster.Node{p.Src.Node, p.Dst.Node}, append(extra, "--no-intercept")
 		case Passthrough:
 			nodes = []*cluster.Node{p.Src.Node}
 		case Mesh:
@@ -190,7 +289,7 @@ func (t *Topology) build(ctx context.Context, spec Spec, ps []pathPlan) error {
 				Node:  n,
 				Pprof: meshtunAdmin,
 				start: func(ctx context.Context) (*cluster.Proc, error) {
-					return startMeshtun(ctx, spec.Meshtun, n, args...)
+					return startMeshtun(ctx, bin, env, n, args...)
 				},
 			})
 		}

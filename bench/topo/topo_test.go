@@ -168,3 +168,77 @@ func exchange(t *testing.T, ctx context.Context, p *Path) {
 	}
 	c.(*net.TCPConn).CloseWrite()
 }
+
+func TestChoosePlans(t *testing.T) {
+	names := func(spec Spec) string {
+		ps, err := choosePlans(spec)
+		if err != nil {
+			return "error: " + err.Error()
+		}
+		var s []string
+		for _, p := range ps {
+			s = append(s, p.name+"/"+p.kind+"/"+p.variantOf)
+		}
+		return fmt.Sprint(s)
+	}
+	for _, tc := range []struct {
+		spec Spec
+		want string
+	}{
+		{Spec{}, "[direct/direct/ verbatim/verbatim/ passthrough/passthrough/ mesh/mesh/]"},
+		{Spec{Tun2socks: "t"}, "[direct/direct/ verbatim/verbatim/ passthrough/passthrough/ mesh/mesh/ tun2socks/tun2socks/]"},
+		{Spec{Paths: []string{Mesh}}, "[direct/direct/ mesh/mesh/]"},
+		{Spec{Paths: []string{Mesh, Passthrough}, Variant: &Variant{Env: []string{"A=1"}}},
+			"[direct/direct/ passthrough/passthrough/ passthrough·B/passthrough/passthrough mesh/mesh/ mesh·B/mesh/mesh]"},
+		{Spec{Paths: []string{Verbatim}, Variant: &Variant{Label: "new"}}, "[direct/direct/ verbatim/verbatim/ verbatim·new/verbatim/verbatim]"},
+		{Spec{Paths: []string{"direct"}}, `error: topo: no meshtun path "direct" (want verbatim, passthrough or mesh)`},
+	} {
+		if got := names(tc.spec); got != tc.want {
+			t.Errorf("%+v:\n got %s\nwant %s", tc.spec, got, tc.want)
+		}
+	}
+	v := &Variant{Meshtun: "/tmp/m", Env: []string{"GOMAXPROCS=1"}, Args: []string{"--x"}}
+	if got, want := v.String(), "binary /tmp/m, environment GOMAXPROCS=1, node flags --x"; got != want {
+		t.Errorf("String() = %q, want %q", got, want)
+	}
+}
+
+// TestVariantRunsWithItsOwnSettings builds one path with a variant: the B
+// path's proxies, and only they, run with the variant's environment and
+// flags, and both paths carry traffic.
+func TestVariantRunsWithItsOwnSettings(t *testing.T) {
+	if err := cluster.Preflight(); err != nil {
+		t.Fatalf("this test needs root, network namespaces and /dev/net/tun: %v", err)
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	topo, err := Build(ctx, Spec{Meshtun: meshtunBin, Paths: []string{Verbatim},
+		Variant: &Variant{Env: []string{"MESHTUN_BENCH_AB=b"}, Args: []string{"--drain-period", "1s"}},
+		Log:     zerolog.New(zerolog.NewTestWriter(t)).Level(zerolog.WarnLevel)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer topo.Close()
+	a, b := topo.Path(Verbatim), topo.Path(Verbatim+"·B")
+	if a == nil || b == nil || b.VariantOf != Verbatim || b.Kind != Verbatim || len(b.Proxies) != 2 {
+		t.Fatalf("paths %+v", topo.Paths)
+	}
+	for _, p := range []*Path{a, b} {
+		for _, x := range p.Proxies {
+			env, err := os.ReadFile(fmt.Sprintf("/proc/%d/environ", x.Pid))
+			if err != nil {
+				t.Fatal(err)
+			}
+			cmdline, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", x.Pid))
+			if err != nil {
+				t.Fatal(err)
+			}
+			hasEnv := bytes.Contains(env, []byte("\x00MESHTUN_BENCH_AB=b\x00")) || bytes.HasPrefix(env, []byte("MESHTUN_BENCH_AB=b\x00"))
+			hasArg := bytes.Contains(cmdline, []byte("\x00--drain-period\x001s\x00"))
+			if want := p == b; hasEnv != want || hasArg != want {
+				t.Errorf("%s %s: variant environment %v, flags %v; want %v", p.Name, x.Name, hasEnv, hasArg, want)
+			}
+		}
+		exchange(t, ctx, p)
+	}
+}

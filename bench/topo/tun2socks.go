@@ -100,7 +100,7 @@ func findGo() (string, error) {
 // to the TUN, what the TUN or the node itself sends does not.
 func startTun2socks(ctx context.Context, bin string, src *cluster.Pod, log zerolog.Logger) (*cluster.Proc, error) {
 	n := src.Node
-	proc, err := startLogged(ctx, n, func(line []byte) bool {
+	proc, err := startLogged(ctx, n, nil, func(line []byte) bool {
 		return bytes.Contains(line, []byte("[STACK]"))
 	}, bin, "-device", "tun://"+tun2socksDev, "-proxy", "direct://", "-loglevel", "info")
 	if err != nil {

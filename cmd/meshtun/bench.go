@@ -45,6 +45,9 @@ flags:
 		cacheDir, logLevel  string
 		proxyLevel, binPath string
 		holdAddr, pprofDir  string
+		pathList            string
+		variant             topo.Variant
+		variantArgs         string
 	)
 	defCache := ""
 	if d, err := os.UserCacheDir(); err == nil {
@@ -60,6 +63,17 @@ flags:
 	fs.StringVar(&proxyLevel, "proxy-log-level", "", "meshtun node's --log-level (default: its own default, info)")
 	fs.StringVar(&binPath, "meshtun", "", "meshtun `binary` the nodes run (default: this one)")
 	fs.StringVar(&logLevel, "log-level", "warn", "log `level` of the benchmark itself")
+	fs.StringVar(&pathList, "paths", "", "comma-separated meshtun `paths` to measure (verbatim,passthrough,mesh; default all); direct is always measured")
+	fs.StringVar(&variant.Meshtun, "variant-meshtun", "", "A/B: also run every meshtun path with this meshtun `binary`, interleaved (the B paths)")
+	fs.Func("variant-env", "A/B: `KEY=VALUE` added to the environment of the B paths' nodes (repeatable)", func(s string) error {
+		if k, _, ok := strings.Cut(s, "="); !ok || k == "" {
+			return fmt.Errorf("%q is not KEY=VALUE", s)
+		}
+		variant.Env = append(variant.Env, s)
+		return nil
+	})
+	fs.StringVar(&variantArgs, "variant-args", "", "A/B: extra `flags` (space-separated) of the B paths' meshtun node commands")
+	fs.StringVar(&variant.Label, "variant-label", "B", "A/B: `label` of the B paths (\"mesh·B\")")
 	fs.StringVar(&holdAddr, bench.HoldFlag, "", "internal: serve the idle-connection hold protocol on `addr` (the benchmark runs this itself)")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -69,6 +83,15 @@ flags:
 	}
 	if fs.NArg() > 0 {
 		return fmt.Errorf("unexpected arguments: %q", fs.Args())
+	}
+	var paths []string
+	if pathList != "" {
+		paths = strings.Split(pathList, ",")
+	}
+	var vp *topo.Variant
+	variant.Args = strings.Fields(variantArgs)
+	if variant.Meshtun != "" || len(variant.Env) > 0 || len(variant.Args) > 0 {
+		vp = &variant
 	}
 	if reps < 0 {
 		return fmt.Errorf("--reps %d: want a positive count", reps)
@@ -112,6 +135,8 @@ flags:
 		Tun2socks:     t2s,
 		Quick:         quick,
 		Repetitions:   reps,
+		Paths:         paths,
+		Variant:       vp,
 		ProxyLogLevel: proxyLevel,
 		PprofDir:      pprofDir,
 		Command:       "meshtun bench " + strings.Join(args, " "),

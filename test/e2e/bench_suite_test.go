@@ -141,3 +141,46 @@ func TestBenchSuiteQuick(t *testing.T) {
 		}
 	}
 }
+
+// TestBenchSuiteAB runs the suite's A/B mode on one path: the B path must
+// be built beside its A path, carry its own numbers, and be compared with
+// A in the table.
+func TestBenchSuiteAB(t *testing.T) {
+	dir := t.TempDir()
+	jsonPath := filepath.Join(dir, "bench.json")
+	ctx, cancel := context.WithTimeout(t.Context(), 3*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, meshtunBin, "bench", "--quick", "--reps", "1", "--paths", "verbatim",
+		"--variant-env", "GOMAXPROCS=1", "--variant-label", "P1", "--json", jsonPath)
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	if err := cmd.Run(); err != nil {
+		t.Fatalf("meshtun bench (A/B): %v\nstderr:\n%s", err, stderr.String())
+	}
+	b, err := os.ReadFile(jsonPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := report.ReadJSON(bytes.NewReader(b))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, p := range res.Paths {
+		names = append(names, p.Name+"<"+p.VariantOf)
+	}
+	if want := []string{"direct<", "verbatim<", "verbatim·P1<verbatim"}; !slices.Equal(names, want) {
+		t.Fatalf("paths (name<variant of) %v, want %v", names, want)
+	}
+	if res.Variant != "environment GOMAXPROCS=1" {
+		t.Errorf("variant %q", res.Variant)
+	}
+	for _, id := range []string{"tcp_up_1", "rr_p50", "cpu_s_per_gb"} {
+		if v := res.Metric(id).Values["verbatim·P1"]; v.N == 0 {
+			t.Errorf("%s: no figure on the B path", id)
+		}
+	}
+	if !strings.Contains(stdout.String(), "B vs A") {
+		t.Errorf("table has no B vs A row:\n%s", stdout.String())
+	}
+}
