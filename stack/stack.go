@@ -116,6 +116,13 @@ func (st *Stack) tune() error {
 		{"receive buffer sizes", &tcpip.TCPReceiveBufferSizeRangeOption{Min: tcpBufMin, Default: tcpBufDefault, Max: tcpBufMax}},
 		{"send buffer sizes", &tcpip.TCPSendBufferSizeRangeOption{Min: tcpBufMin, Default: tcpBufDefault, Max: tcpBufMax}},
 		{"congestion control", ptr(tcpip.CongestionControlOption("cubic"))},
+		// No TIME_WAIT. Every endpoint here mirrors one of a pod that
+		// keeps its own, and its segments cross only this node's TUN and
+		// veth, where no delayed duplicate can be in flight. A lingering
+		// copy would only refuse a tuple that the pod's own kernel lets
+		// its client reuse (tcp_tw_reuse), turning that client's next
+		// connection into a reset (TestClientReusesItsPort).
+		{"TIME_WAIT timeout", ptr(tcpip.TCPTimeWaitTimeoutOption(0))},
 	}
 	for _, o := range opts {
 		if err := st.s.SetTransportProtocolOption(tcp.ProtocolNumber, o.opt); err != nil {
