@@ -134,6 +134,7 @@ func (e *linkEndpoint) dispatchLoop() {
 		case classify.Verbatim:
 			// Header and all: a GSO packet stays one, a partial
 			// checksum stays partial, for the kernel to finish.
+			restoreHop(pkt)
 			if _, err := e.dev.Write(buf[:n]); err != nil {
 				e.stats.VerbatimWriteErrors.Add(1)
 				e.log.Debug().Err(err).Int("len", n).Msg("verbatim write-back failed")

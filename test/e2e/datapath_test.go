@@ -382,6 +382,15 @@ func TestDataPath(t *testing.T) {
 			udpEcho(t, p11.NS, p11.IPv6, p21.NS, p21.IPv6, 9003)
 		})
 	})
+	t.Run("a node is one hop, as without meshtun", func(t *testing.T) {
+		throughTUN(t, "udp", func() {
+			for _, dst := range []netip.Addr{p21.IPv4, p21.IPv6} {
+				if hops := udpHops(t, p11.NS, p21.NS, dst, 9005); hops != 1 {
+					t.Errorf("to %s: sent with 3 hops left, arrived with %d; want 1 (two nodes, one hop each)", dst, hops)
+				}
+			}
+		})
+	})
 	t.Run("UDP burst of 10000 datagrams", func(t *testing.T) {
 		throughTUN(t, "udp", func() { udpBurst(t, p11.NS, p21.NS, p21.IPv4, 10000) })
 	})

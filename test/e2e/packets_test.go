@@ -3,6 +3,7 @@ package e2e
 import (
 	"bytes"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"net"
 	"net/netip"
@@ -310,4 +311,61 @@ func softnet() string {
 		}
 	}
 	return out
+}
+
+// udpHops sends datagrams from client to dst with 3 hops left (TTL or hop
+// limit) and returns the hops left on arrival at srv: pod → node 1 → node
+// 2 → pod crosses two routers, so 1 if each node counts as one hop, as it
+// does without meshtun; the datagram is lost if a node takes two.
+func udpHops(t testing.TB, client, srv *cluster.NS, dst netip.Addr, port int) int {
+	t.Helper()
+	network := "udp4"
+	if dst.Is6() {
+		network = "udp6"
+	}
+	sp := listenPacket(t, srv, network, fmt.Sprintf(":%d", port))
+	cp := listenPacket(t, client, network, ":0")
+	to := net.UDPAddrFromAddrPort(netip.AddrPortFrom(dst, uint16(port)))
+	var send func() error
+	var recv func() (int, error)
+	if dst.Is4() {
+		c4, s4 := ipv4.NewPacketConn(cp), ipv4.NewPacketConn(sp)
+		if err := errors.Join(c4.SetTTL(3), s4.SetControlMessage(ipv4.FlagTTL, true)); err != nil {
+			t.Fatal(err)
+		}
+		send = func() error { _, err := c4.WriteTo([]byte("hops"), nil, to); return err }
+		recv = func() (int, error) {
+			_, cm, _, err := s4.ReadFrom(make([]byte, 64))
+			if err != nil || cm == nil {
+				return 0, errors.Join(err, errors.New("no TTL control message"))
+			}
+			return cm.TTL, nil
+		}
+	} else {
+		c6, s6 := ipv6.NewPacketConn(cp), ipv6.NewPacketConn(sp)
+		if err := errors.Join(c6.SetHopLimit(3), s6.SetControlMessage(ipv6.FlagHopLimit, true)); err != nil {
+			t.Fatal(err)
+		}
+		send = func() error { _, err := c6.WriteTo([]byte("hops"), nil, to); return err }
+		recv = func() (int, error) {
+			_, cm, _, err := s6.ReadFrom(make([]byte, 64))
+			if err != nil || cm == nil {
+				return 0, errors.Join(err, errors.New("no hop limit control message"))
+			}
+			return cm.HopLimit, nil
+		}
+	}
+	for attempt := 0; ; attempt++ {
+		if err := send(); err != nil {
+			t.Fatalf("UDP send to %s: %v", to, err)
+		}
+		sp.SetReadDeadline(time.Now().Add(time.Second))
+		hops, err := recv()
+		if err == nil {
+			return hops
+		}
+		if attempt == 2 {
+			t.Fatalf("no datagram with 3 hops left reached %s: %v", to, err)
+		}
+	}
 }
