@@ -57,11 +57,33 @@ func (q *TCPRequest) Reject() { q.r.Complete(true) }
 type Conn struct {
 	*gonet.TCPConn
 	ep            tcpip.Endpoint
+	wq            *waiter.Queue
 	local, remote netip.AddrPort
 }
 
 func newConn(wq *waiter.Queue, ep tcpip.Endpoint, local, remote netip.AddrPort) *Conn {
-	return &Conn{TCPConn: gonet.NewTCPConn(wq, ep), ep: ep, local: local, remote: remote}
+	return &Conn{TCPConn: gonet.NewTCPConn(wq, ep), ep: ep, wq: wq, local: local, remote: remote}
+}
+
+// readEvents are the events after which a Read does not wait: data or the
+// peer's FIN (readable), a reset or other failure, the connection closed.
+const readEvents = waiter.ReadableEvents | waiter.EventHUp | waiter.EventErr
+
+// WaitReadable blocks until a Read would return without waiting: data has
+// arrived, the peer has ended its side, the connection has failed or has
+// been closed. It holds no buffer while it waits, so that a relay needs a
+// buffer only when there is something to copy. It does not observe the
+// read deadline; Close (or Abort) from another goroutine ends the wait.
+func (c *Conn) WaitReadable() {
+	if c.ep.Readiness(readEvents) != 0 {
+		return
+	}
+	e, ch := waiter.NewChannelEntry(readEvents)
+	c.wq.EventRegister(&e)
+	defer c.wq.EventUnregister(&e)
+	for c.ep.Readiness(readEvents) == 0 {
+		<-ch
+	}
 }
 
 // LocalAddrPort returns the connection's local address.

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"os"
+	"runtime"
 	"time"
 
 	"github.com/meshtun/meshtun/mesh/config"
@@ -19,14 +21,19 @@ func runNode(ctx context.Context, args []string) error {
 		path, name, logLevel string
 		noIntercept          bool
 		drain                time.Duration
+		procs                int
 	)
 	fs.StringVar(&path, "config", "/etc/meshtun/mesh.yaml", "the mesh config `file` (see docs/config.md)")
 	fs.StringVar(&name, "node", "", "this node's `name` in the config file (required)")
 	fs.BoolVar(&noIntercept, "no-intercept", false, "intercept nothing: every packet goes through the TUN verbatim (for measuring the TUN path alone)")
 	fs.DurationVar(&drain, "drain-period", node.DefaultDrainPeriod, "on SIGTERM, how long open connections may take to finish")
 	fs.StringVar(&logLevel, "log-level", "info", "log `level`: trace, debug, info, warn, error")
+	fs.IntVar(&procs, "procs", 0, "`threads` running Go code at once (GOMAXPROCS); 0: half the CPUs the process may use, at least 1 (the GOMAXPROCS environment variable, if set, wins)")
 	if err := fs.Parse(args); err != nil {
 		return err
+	}
+	if procs < 0 {
+		return fmt.Errorf("-procs %d: want 0 (automatic) or a positive count", procs)
 	}
 	if fs.NArg() > 0 {
 		return fmt.Errorf("unexpected arguments: %q", fs.Args())
@@ -38,6 +45,10 @@ func runNode(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
+	_, envSet := os.LookupEnv("GOMAXPROCS")
+	n := nodeProcs(procs, envSet, runtime.GOMAXPROCS(0))
+	runtime.GOMAXPROCS(n)
+	log.Info().Int("procs", n).Msg("GOMAXPROCS")
 	c, err := config.Load(path)
 	if err != nil {
 		return err
@@ -71,4 +82,27 @@ func runNode(ctx context.Context, args []string) error {
 		return nil
 	}
 	return err
+}
+
+// nodeProcs returns the GOMAXPROCS of the node: flag if set, else the
+// runtime's current value if the GOMAXPROCS environment variable set it,
+// else half of the runtime's default (the CPUs the process may use, which
+// the runtime already lowers to a cgroup CPU limit), at least 1.
+//
+// The node's data path is a chain of goroutine hand-offs (TUN reader,
+// netstack TCP processor, relay, and back), not computation: every hand-off
+// to a goroutine on another P wakes another OS thread, and on a node whose
+// cores also run the workloads the proxy serves, those wake-ups are the
+// latency. Fewer Ps keep a hand-off on the running thread. Half the CPUs
+// leaves the other half to the workloads (whose every request crosses the
+// proxy and the workload alike) and still scales with the machine; see
+// docs/ARCHITECTURE.md for the measurements.
+func nodeProcs(flag int, envSet bool, runtimeDefault int) int {
+	switch {
+	case flag > 0:
+		return flag
+	case envSet:
+		return runtimeDefault
+	}
+	return max(1, runtimeDefault/2)
 }

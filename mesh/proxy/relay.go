@@ -4,7 +4,10 @@ import (
 	"errors"
 	"io"
 	"net"
+	"os"
 	"sync"
+
+	"golang.org/x/sys/unix"
 )
 
 // relayBufSize is the copy buffer per direction. 64 KiB moves a full TSO
@@ -60,25 +63,26 @@ func relay(a, b net.Conn, onAB, onBA func(int)) relayResult {
 }
 
 // copyHalf copies src to dst. On EOF it half-closes dst; on any other error
-// (a reset, or a write to a reset peer) it calls abort.
+// (a reset, or a write to a reset peer) it calls abort. A copy buffer is
+// taken from the pool only while there is something to copy (see
+// readPooled), so an idle connection holds none.
 func copyHalf(dst, src net.Conn, abort func(), onWrite func(int)) int64 {
-	bp := relayBufs.Get().(*[]byte)
-	defer relayBufs.Put(bp)
-	buf := *bp
 	var total int64
 	for {
-		n, rerr := src.Read(buf)
+		bp, n, rerr := readPooled(src)
 		if n > 0 {
-			w, werr := dst.Write(buf[:n])
+			w, werr := dst.Write((*bp)[:n])
 			total += int64(w)
 			if onWrite != nil && w > 0 {
 				onWrite(w)
 			}
 			if werr != nil {
+				relayBufs.Put(bp)
 				abort()
 				return total
 			}
 		}
+		relayBufs.Put(bp)
 		if rerr != nil {
 			if errors.Is(rerr, io.EOF) {
 				if hc, ok := dst.(halfCloser); ok {
@@ -93,6 +97,65 @@ func copyHalf(dst, src net.Conn, abort func(), onWrite func(int)) int64 {
 			return total
 		}
 	}
+}
+
+// readWaiter is a connection that can wait until a Read would not block
+// without holding a buffer meanwhile. *stack.Conn is one.
+type readWaiter interface {
+	WaitReadable()
+}
+
+// readPooled reads once from src into a buffer from relayBufs and returns
+// it (to be put back by the caller) with what Read returned. For
+// connections whose readiness can be awaited without a buffer (netstack
+// connections, kernel sockets) the buffer is taken only once the read will
+// not block: a relay that waits for an idle peer holds no buffer. Other
+// connections are read with the buffer held for the wait.
+func readPooled(src net.Conn) (bp *[]byte, n int, err error) {
+	switch c := src.(type) {
+	case readWaiter:
+		c.WaitReadable()
+		bp = relayBufs.Get().(*[]byte)
+		n, err = src.Read(*bp)
+		return bp, n, err
+	case *net.TCPConn:
+		rc, rerr := c.SyscallConn()
+		if rerr != nil {
+			break
+		}
+		// The runtime's poller calls the function again each time the
+		// socket turns readable; the buffer goes back to the pool
+		// between calls.
+		cerr := rc.Read(func(fd uintptr) bool {
+			bp = relayBufs.Get().(*[]byte)
+			for {
+				n, err = unix.Read(int(fd), *bp)
+				if err != unix.EINTR {
+					break
+				}
+			}
+			if err == unix.EAGAIN {
+				relayBufs.Put(bp)
+				bp = nil
+				return false
+			}
+			return true
+		})
+		if bp == nil { // the wait ended without a read: closed, deadline
+			bp = relayBufs.Get().(*[]byte)
+			return bp, 0, cerr
+		}
+		switch {
+		case err != nil:
+			return bp, 0, &net.OpError{Op: "read", Net: "tcp", Source: src.LocalAddr(), Addr: src.RemoteAddr(), Err: os.NewSyscallError("read", err)}
+		case n == 0:
+			return bp, 0, io.EOF
+		}
+		return bp, n, nil
+	}
+	bp = relayBufs.Get().(*[]byte)
+	n, err = src.Read(*bp)
+	return bp, n, err
 }
 
 // reset closes c abortively.

@@ -1,0 +1,78 @@
+package stack
+
+import (
+	"net/netip"
+	"testing"
+	"time"
+
+	"gvisor.dev/gvisor/pkg/tcpip/header"
+
+	"github.com/meshtun/meshtun/tun"
+)
+
+// waitReturns runs c.WaitReadable and reports on the channel when it
+// returns.
+func waitReturns(c *Conn) <-chan struct{} {
+	done := make(chan struct{})
+	go func() {
+		c.WaitReadable()
+		close(done)
+	}()
+	return done
+}
+
+// TestWaitReadable: WaitReadable blocks while the connection is idle and
+// returns once data arrives (a Read then returns it), once the peer sends
+// its FIN, and once the connection is closed locally.
+func TestWaitReadable(t *testing.T) {
+	fam := families[0]
+	dev := newFakeDev(tun.VnetHdrLen)
+	st, conns := newTestStack(t, dev)
+	defer func() { dev.close(); st.Close() }()
+
+	// A local close.
+	src2 := netip.AddrPortFrom(fam.src.Addr(), fam.src.Port()+1)
+	c2, _, _ := handshake(t, dev, conns, src2, fam.dst)
+	done := waitReturns(c2)
+	c2.Close()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("WaitReadable did not return after Close")
+	}
+	vh, p := dev.recv(t)
+	if fin := parseOut(t, vh, p); fin.flags&header.TCPFlagFin == 0 {
+		t.Fatalf("Close sent flags %v, want a FIN", fin.flags)
+	}
+
+	// Data.
+	c, seq, ack := handshake(t, dev, conns, fam.src, fam.dst)
+	done = waitReturns(c)
+	select {
+	case <-done:
+		t.Fatal("WaitReadable returned on an idle connection")
+	case <-time.After(50 * time.Millisecond):
+	}
+	dev.send(t, tun.VnetHdr{}, seg{src: fam.src, dst: fam.dst, seq: seq, ack: ack, flags: header.TCPFlagAck | header.TCPFlagPsh, payload: []byte("hello")}.build())
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("WaitReadable did not return after data arrived")
+	}
+	buf := make([]byte, 16)
+	if n, err := c.Read(buf); err != nil || string(buf[:n]) != "hello" {
+		t.Fatalf("Read after WaitReadable: %q, %v", buf[:n], err)
+	}
+	seq += 5
+
+	// The peer's FIN.
+	done = waitReturns(c)
+	dev.send(t, tun.VnetHdr{}, seg{src: fam.src, dst: fam.dst, seq: seq, ack: ack, flags: header.TCPFlagAck | header.TCPFlagFin}.build())
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("WaitReadable did not return after the peer's FIN")
+	}
+	c.Close()
+
+}
