@@ -5,11 +5,10 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"net/http"
 	"net/netip"
-	"net/url"
+	"strconv"
 	"sync"
 	"time"
 
@@ -17,6 +16,7 @@ import (
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
 	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
 )
 
 // DefaultIdleTimeout is how long a pooled connection without streams stays
@@ -65,11 +65,11 @@ type DialRequest struct {
 
 // Client opens HBONE streams over pooled connections. A pool is keyed by
 // (source identity, destination identity, endpoint); a connection carries at
-// most MaxStreamsPerConn streams at a time and a new one is opened when all
+// most MaxStreamsPerConn streams at a time (fewer if the server's
+// SETTINGS_MAX_CONCURRENT_STREAMS says so) and a new one is opened when all
 // are full. It is safe for concurrent use.
 type Client struct {
 	cfg ClientConfig
-	h2  *http2.Transport
 	log zerolog.Logger
 
 	mu     sync.Mutex
@@ -83,11 +83,13 @@ type poolKey struct {
 	endpoint netip.AddrPort
 }
 
+// poolConn is a pooled connection; it is the client role of its h2conn.
 type poolConn struct {
-	key  poolKey
-	cc   *http2.ClientConn
-	tls  *tls.Conn
-	peer spiffeid.ID
+	client *Client
+	key    poolKey
+	h      *h2conn
+	tls    *tls.Conn
+	peer   spiffeid.ID
 
 	// Guarded by Client.mu.
 	streams int
@@ -121,31 +123,8 @@ func NewClient(cfg ClientConfig) (*Client, error) {
 	if cfg.PingTimeout <= 0 {
 		cfg.PingTimeout = PingTimeout
 	}
-	// x/net/http2.Transport reads its window sizes only from a linked
-	// net/http Transport's HTTP2Config (it has no fields for them), so
-	// link one. Nothing ever dials through t1.
-	t1 := &http.Transport{
-		DisableCompression: true,
-		HTTP2: &http.HTTP2Config{
-			MaxReadFrameSize:          MaxFrameSize,
-			MaxReceiveBufferPerStream: StreamWindow,
-			// The transport adds this to the initial 65535 of RFC 9113.
-			MaxReceiveBufferPerConnection: ConnWindow - 65535,
-			SendPingTimeout:               cfg.PingInterval,
-			PingTimeout:                   cfg.PingTimeout,
-		},
-	}
-	t2, err := http2.ConfigureTransports(t1)
-	if err != nil {
-		return nil, fmt.Errorf("hbone: configure HTTP/2 transport: %w", err)
-	}
-	t2.DisableCompression = true
-	t2.MaxReadFrameSize = MaxFrameSize
-	t2.ReadIdleTimeout = cfg.PingInterval
-	t2.PingTimeout = cfg.PingTimeout
 	return &Client{
 		cfg:   cfg,
-		h2:    t2,
 		log:   cfg.Logger,
 		conns: make(map[poolKey][]*poolConn),
 		dials: make(map[poolKey]*dialCall),
@@ -154,7 +133,8 @@ func NewClient(cfg ClientConfig) (*Client, error) {
 
 // Dial opens a stream to r.Target through r.Endpoint and returns it once the
 // server answered 200. A refusal is a *StatusError. ctx bounds the dial only,
-// not the stream's lifetime.
+// not the stream's lifetime. A stream the server did not process (GOAWAY,
+// REFUSED_STREAM) is retried once on another connection.
 func (c *Client) Dial(ctx context.Context, r DialRequest) (*Conn, error) {
 	switch {
 	case !r.Target.Addr().IsValid() || r.Target.Port() == 0:
@@ -167,17 +147,45 @@ func (c *Client) Dial(ctx context.Context, r DialRequest) (*Conn, error) {
 	if err := r.Baggage.validate(); err != nil {
 		return nil, fmt.Errorf("hbone: dial %s: %w", r.Target, err)
 	}
+	fields := requestFields(r)
 	key := poolKey{src: r.Source, dst: r.Destination, endpoint: r.Endpoint}
-	pc, err := c.reserve(ctx, key)
-	if err != nil {
-		return nil, err
+	var avoid *poolConn
+	for attempt := 0; ; attempt++ {
+		pc, err := c.reserve(ctx, key, avoid)
+		if err != nil {
+			return nil, err
+		}
+		conn, err := c.open(ctx, pc, r.Target, fields)
+		if err != nil && attempt == 0 && errors.Is(err, errUnprocessed) {
+			c.log.Debug().Err(err).Str("endpoint", key.endpoint.String()).Msg("hbone: stream not processed, retrying on another connection")
+			avoid = pc
+			continue
+		}
+		return conn, err
 	}
-	return c.open(ctx, pc, r)
 }
 
-// reserve returns a pooled connection for key with a stream reserved on it,
-// opening a connection when none has room.
-func (c *Client) reserve(ctx context.Context, key poolKey) (*poolConn, error) {
+// requestFields is the CONNECT request's header list.
+func requestFields(r DialRequest) []hpack.HeaderField {
+	f := []hpack.HeaderField{
+		{Name: ":method", Value: http.MethodConnect},
+		{Name: ":authority", Value: r.Target.String()},
+	}
+	if !r.Forwarded.IsZero() {
+		f = append(f, hpack.HeaderField{Name: "forwarded", Value: r.Forwarded.String()})
+	}
+	if len(r.Baggage) > 0 {
+		f = append(f, hpack.HeaderField{Name: "baggage", Value: r.Baggage.String()})
+	}
+	if r.TraceParent != "" {
+		f = append(f, hpack.HeaderField{Name: "traceparent", Value: r.TraceParent})
+	}
+	return f
+}
+
+// reserve returns a pooled connection for key, other than avoid, with a
+// stream reserved on it, opening a connection when none has room.
+func (c *Client) reserve(ctx context.Context, key poolKey, avoid *poolConn) (*poolConn, error) {
 	for {
 		c.mu.Lock()
 		if c.closed {
@@ -185,7 +193,7 @@ func (c *Client) reserve(ctx context.Context, key poolKey) (*poolConn, error) {
 			return nil, errors.New("hbone: client is closed")
 		}
 		for _, pc := range c.conns[key] {
-			if c.reserveLocked(pc) {
+			if pc != avoid && c.reserveLocked(pc) {
 				c.mu.Unlock()
 				return pc, nil
 			}
@@ -213,7 +221,7 @@ func (c *Client) reserve(ctx context.Context, key poolKey) (*poolConn, error) {
 		c.mu.Lock()
 		delete(c.dials, key)
 		if err == nil && c.closed {
-			pc.cc.Close()
+			pc.h.close(nil)
 			err = errors.New("hbone: client is closed")
 		}
 		if err == nil {
@@ -232,15 +240,25 @@ func isContextError(err error) bool {
 	return errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)
 }
 
+// limit is how many streams pc may carry at once.
+func (c *Client) limit(pc *poolConn) int {
+	n := c.cfg.MaxStreamsPerConn
+	if m := pc.h.peerMaxStreams.Load(); m > 0 && int(m) < n {
+		n = int(m)
+	}
+	return n
+}
+
 func (c *Client) reserveLocked(pc *poolConn) bool {
-	if pc.dead || pc.streams >= c.cfg.MaxStreamsPerConn {
+	if pc.dead {
 		return false
 	}
-	if !pc.cc.ReserveNewRequest() {
-		// Closed, going away, or at the server's stream limit.
-		if st := pc.cc.State(); st.Closed || st.Closing {
-			c.removeLocked(pc)
-		}
+	if !pc.h.usable.Load() {
+		// Closed or going away.
+		c.removeLocked(pc)
+		return false
+	}
+	if pc.streams >= c.limit(pc) {
 		return false
 	}
 	pc.streams++
@@ -256,10 +274,14 @@ func (c *Client) release(pc *poolConn) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	pc.streams--
-	if pc.streams > 0 || pc.dead {
+	if pc.streams > 0 {
 		return
 	}
-	if st := pc.cc.State(); st.Closed || st.Closing {
+	if pc.dead {
+		go pc.h.close(nil)
+		return
+	}
+	if !pc.h.usable.Load() {
 		c.removeLocked(pc)
 		return
 	}
@@ -297,11 +319,10 @@ func (c *Client) removeLocked(pc *poolConn) {
 		c.conns[pc.key] = list
 	}
 	if pc.streams == 0 {
-		go pc.cc.Close()
-	} else {
-		// Let open streams finish; no new ones are reserved on pc.
-		go pc.cc.Shutdown(context.Background())
+		go pc.h.close(nil)
 	}
+	// Otherwise open streams finish first; no new ones are reserved on
+	// pc, and release closes it after the last.
 }
 
 // connect opens and handshakes a new connection for key.
@@ -330,76 +351,136 @@ func (c *Client) connect(ctx context.Context, key poolKey) (*poolConn, error) {
 	if len(st.PeerCertificates) > 0 {
 		peer, _ = x509svid.IDFromCert(st.PeerCertificates[0])
 	}
-	cc, err := c.h2.NewClientConn(tc)
-	if err != nil {
-		tc.Close()
+	pc := &poolConn{client: c, key: key, tls: tc, peer: peer}
+	log := c.log.With().Str("endpoint", key.endpoint.String()).Str("peer", peer.String()).Logger()
+	pc.h = newH2Conn(tc, true, pc, log, c.cfg.PingInterval, c.cfg.PingTimeout)
+	if err := pc.h.start(); err != nil {
+		pc.h.close(err)
 		return nil, fmt.Errorf("hbone: HTTP/2 connection to %s: %w", key.endpoint, err)
 	}
-	c.log.Debug().Str("endpoint", key.endpoint.String()).Str("source", key.src.String()).
-		Str("peer", peer.String()).Msg("hbone: connection opened")
-	return &poolConn{key: key, cc: cc, tls: tc, peer: peer}, nil
+	go func() {
+		pc.h.readLoop()
+		c.mu.Lock()
+		c.removeLocked(pc)
+		c.mu.Unlock()
+	}()
+	log.Debug().Str("source", key.src.String()).Msg("hbone: connection opened")
+	return pc, nil
 }
 
-// open sends the CONNECT request on pc, on which a stream is reserved.
-func (c *Client) open(ctx context.Context, pc *poolConn, r DialRequest) (*Conn, error) {
-	authority := r.Target.String()
-	h := http.Header{"User-Agent": {""}} // an empty value suppresses Go's default
-	if !r.Forwarded.IsZero() {
-		h.Set(HeaderForwarded, r.Forwarded.String())
-	}
-	if len(r.Baggage) > 0 {
-		h.Set(HeaderBaggage, r.Baggage.String())
-	}
-	if r.TraceParent != "" {
-		h.Set(HeaderTraceParent, r.TraceParent)
-	}
-	// The stream lives until Close or Abort, beyond ctx: cancelling its
-	// context resets it.
-	sctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
-	pr, pw := io.Pipe()
-	conn := &Conn{
-		client: c,
-		pc:     pc,
-		target: r.Target,
-		pw:     pw,
-		cancel: cancel,
-	}
-	body := &requestBody{pr: pr, conn: conn}
-	req := (&http.Request{
-		Method:        http.MethodConnect,
-		URL:           &url.URL{Host: authority},
-		Host:          authority,
-		Header:        h,
-		Body:          body,
-		ContentLength: -1,
-		Proto:         "HTTP/2.0",
-		ProtoMajor:    2,
-	}).WithContext(sctx)
-
-	stop := context.AfterFunc(ctx, cancel)
-	resp, err := pc.cc.RoundTrip(req)
-	if !stop() {
+// open sends the CONNECT request on pc, on which a stream is reserved, and
+// waits for the response.
+func (c *Client) open(ctx context.Context, pc *poolConn, target netip.AddrPort, fields []hpack.HeaderField) (*Conn, error) {
+	h := pc.h
+	h.mu.Lock()
+	if h.closed || h.goAwayRecv || h.nextID > maxWindow {
+		err := h.closeErr
 		if err == nil {
-			resp.Body.Close()
+			err = errors.New("connection going away")
 		}
-		pw.CloseWithError(ctx.Err())
-		conn.finish()
-		return nil, fmt.Errorf("hbone: CONNECT %s via %s: %w", authority, pc.key.endpoint, ctx.Err())
+		h.usable.Store(false)
+		h.mu.Unlock()
+		c.release(pc)
+		return nil, fmt.Errorf("hbone: CONNECT %s via %s: %w: %w", target, pc.key.endpoint, errUnprocessed, err)
 	}
+	id := h.nextID
+	h.nextID += 2
+	s := h.newStreamLocked(id)
+	s.ready = make(chan struct{})
+	err := h.writeHeadersLocked(id, fields, false, h.peerMaxFrame)
+	h.mu.Unlock()
 	if err != nil {
-		pw.CloseWithError(err)
-		conn.finish()
-		return nil, fmt.Errorf("hbone: CONNECT %s via %s: %w", authority, pc.key.endpoint, err)
+		// Only an encoding bug gets here; the HPACK state may be off.
+		h.close(err)
+		return nil, fmt.Errorf("hbone: CONNECT %s via %s: %w", target, pc.key.endpoint, err)
 	}
-	if resp.StatusCode != http.StatusOK {
-		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 1024))
-		resp.Body.Close()
-		pw.CloseWithError(errors.New("refused"))
-		conn.finish()
-		return nil, &StatusError{Code: resp.StatusCode, Message: trimMessage(msg), Target: r.Target}
+	h.kick()
+
+	select {
+	case <-s.ready:
+	case <-ctx.Done():
+		s.reset(http2.ErrCodeCancel, net.ErrClosed)
+		return nil, fmt.Errorf("hbone: CONNECT %s via %s: %w", target, pc.key.endpoint, ctx.Err())
 	}
-	conn.body = resp.Body
+	h.mu.Lock()
+	status, got, rerr := s.status, s.status != 0, s.rstErr
+	h.mu.Unlock()
+	if !got {
+		return nil, fmt.Errorf("hbone: CONNECT %s via %s: %w", target, pc.key.endpoint, rerr)
+	}
+	conn := &Conn{s: s, pc: pc, target: target}
+	if status != http.StatusOK {
+		var msg [1024]byte
+		n := 0
+		for n < len(msg) {
+			k, err := s.read(msg[n:])
+			n += k
+			if err != nil {
+				break
+			}
+		}
+		conn.Abort()
+		return nil, &StatusError{Code: status, Message: trimMessage(msg[:n]), Target: target}
+	}
 	return conn, nil
+}
+
+// onHeaders handles the response HEADERS of a stream.
+func (pc *poolConn) onHeaders(f *http2.MetaHeadersFrame) error {
+	h := pc.h
+	h.mu.Lock()
+	s := h.streams[f.StreamID]
+	if s == nil {
+		idle := h.isIdleLocked(f.StreamID)
+		h.mu.Unlock()
+		if idle {
+			return connErrorf(http2.ErrCodeProtocol, "HEADERS on stream %d, which we did not open", f.StreamID)
+		}
+		return nil
+	}
+	defer func() { h.unlock(); h.kickAsync() }()
+	if s.gotResponse {
+		// Trailers: only their END_STREAM means something here.
+		if !f.StreamEnded() {
+			h.log.Info().Uint32("stream", s.id).Msg("hbone: second HEADERS without END_STREAM from server, resetting stream")
+			s.resetLocked(http2.ErrCodeProtocol, fmt.Errorf("%w: malformed response from server", ErrReset))
+			return nil
+		}
+		s.recvEnded = true
+		s.wakeLocked()
+		s.finishLocked()
+		return nil
+	}
+	status, err := strconv.Atoi(f.PseudoValue("status"))
+	if err != nil || status < 100 || status > 999 || f.Truncated {
+		h.log.Info().Uint32("stream", s.id).Str("status", f.PseudoValue("status")).Msg("hbone: malformed response from server, resetting stream")
+		s.resetLocked(http2.ErrCodeProtocol, fmt.Errorf("%w: malformed response from server (:status %q)", ErrReset, f.PseudoValue("status")))
+		return nil
+	}
+	if status < 200 {
+		if f.StreamEnded() {
+			s.resetLocked(http2.ErrCodeProtocol, fmt.Errorf("%w: informational response ends the stream", ErrReset))
+		}
+		return nil // informational: the final response follows
+	}
+	s.status = status
+	s.gotResponse = true
+	close(s.ready)
+	if f.StreamEnded() {
+		s.recvEnded = true
+		s.wakeLocked()
+		s.finishLocked()
+	}
+	return nil
+}
+
+func (pc *poolConn) onStreamDone(*stream) { pc.client.release(pc) }
+
+func (pc *poolConn) onGoAway() {
+	c := pc.client
+	c.mu.Lock()
+	c.removeLocked(pc)
+	c.mu.Unlock()
 }
 
 func trimMessage(b []byte) string {
@@ -427,7 +508,7 @@ func (c *Client) Close() error {
 	}
 	c.mu.Unlock()
 	for _, pc := range all {
-		pc.cc.Close()
+		pc.h.close(errors.New("hbone: client closed"))
 	}
 	return nil
 }

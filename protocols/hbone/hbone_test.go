@@ -439,11 +439,11 @@ func TestHalfCloseClientFirst(t *testing.T) {
 	}
 }
 
+// TestHalfCloseUpstreamFirst: the upstream's FIN ends the response at once
+// (the client reads EOF while its own half is open), and the client's
+// bytes after that still reach the upstream until it ends its half.
 func TestHalfCloseUpstreamFirst(t *testing.T) {
-	// A linger long enough for the client's 20 ms pace on a loaded
-	// machine; the default is tuned for latency, not for CI.
-	const linger = 500 * time.Millisecond
-	f := newFixture(t, dialHandler, func(s *ServerConfig, _ *ClientConfig) { s.HalfCloseLinger = linger })
+	f := newFixture(t, dialHandler)
 	up := newUpstream(t)
 	conn, err := f.dial(ctxTimeout(t, 5*time.Second), up.addr)
 	if err != nil {
@@ -454,47 +454,90 @@ func TestHalfCloseUpstreamFirst(t *testing.T) {
 	upGot := readAll(uc)
 	uc.Write([]byte("bye"))
 	uc.CloseWrite() // the upstream keeps reading
-	buf := make([]byte, 3)
-	if _, err := io.ReadFull(conn, buf); err != nil || string(buf) != "bye" {
-		t.Fatalf("client read %q, %v", buf, err)
+	// EOF arrives while the client has written nothing and keeps its half
+	// open: no linger, no wait for the client.
+	if r := wait(t, readAll(conn), "client EOF"); r.err != nil || string(r.data) != "bye" {
+		t.Fatalf("client read %q, %v; want \"bye\" then EOF", r.data, r.err)
 	}
-	// A client that keeps sending after the upstream's FIN keeps the
-	// stream open: its bytes reach the upstream.
+	// The client's half is still open: what it sends now, however slowly,
+	// reaches the upstream.
 	var sent bytes.Buffer
-	for i := range 15 {
+	for i := range 5 {
 		msg := fmt.Sprintf("chunk %02d;", i)
 		if _, err := conn.Write([]byte(msg)); err != nil {
 			t.Fatalf("write %d after the upstream's FIN: %v", i, err)
 		}
 		sent.WriteString(msg)
-		time.Sleep(20 * time.Millisecond) // the client's pace, well under the linger
 	}
-	lastWrite := time.Now()
-	// Silent for the linger: the stream ends, the client reads EOF.
-	r := wait(t, readAll(conn), "client EOF")
-	if r.err != nil || len(r.data) != 0 {
-		t.Fatalf("client read %q, %v after the upstream's FIN; want EOF", r.data, r.err)
+	select {
+	case r := <-upGot:
+		t.Fatalf("upstream read ended (%q, %v) before the client ended its half", r.data, r.err)
+	default:
 	}
-	if d := time.Since(lastWrite); d < linger/2 {
-		t.Errorf("EOF %s after the client's last write, before the %s linger", d, linger)
+	if err := conn.CloseWrite(); err != nil {
+		t.Fatal(err)
 	}
 	if r := wait(t, upGot, "upstream"); r.err != nil || string(r.data) != sent.String() {
 		t.Errorf("upstream got %q, %v; want %q", r.data, r.err, sent.String())
 	}
-	// Once the stream has ended, writes fail as a reset.
+	// Both halves ended: the stream is gone from the pool.
 	deadline := time.Now().Add(5 * time.Second)
-	for {
-		_, err := conn.Write([]byte("late"))
-		if err != nil {
-			if !errors.Is(err, ErrReset) {
-				t.Errorf("write after the stream ended: %v, want ErrReset", err)
-			}
-			break
-		}
+	for f.cl.Stats().Streams != 0 {
 		if time.Now().After(deadline) {
-			t.Fatal("writes still accepted 5s after the stream ended")
+			t.Fatalf("stream still counted after both halves ended: %+v", f.cl.Stats())
 		}
-		time.Sleep(10 * time.Millisecond)
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// TestHalfCloseIndependent: each direction ends exactly when its sender
+// ends it, in either order, with the other direction still carrying data
+// afterwards in both directions.
+func TestHalfCloseIndependent(t *testing.T) {
+	f := newFixture(t, dialHandler)
+	up := newUpstream(t)
+	for _, clientFirst := range []bool{true, false} {
+		t.Run(fmt.Sprintf("clientFirst=%v", clientFirst), func(t *testing.T) {
+			conn, err := f.dial(ctxTimeout(t, 5*time.Second), up.addr)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer conn.Close()
+			uc := up.accept(t)
+			buf := make([]byte, 64)
+			// Request and response each carry data in both phases.
+			if clientFirst {
+				conn.Write([]byte("q1"))
+				conn.CloseWrite()
+				if r := wait(t, readAll(uc), "upstream"); r.err != nil || string(r.data) != "q1" {
+					t.Fatalf("upstream read %q, %v; want q1 then EOF", r.data, r.err)
+				}
+				uc.Write([]byte("r1"))
+				n, err := io.ReadFull(conn, buf[:2])
+				if err != nil || string(buf[:n]) != "r1" {
+					t.Fatalf("client read %q, %v after its FIN", buf[:n], err)
+				}
+				uc.CloseWrite()
+				if r := wait(t, readAll(conn), "client"); r.err != nil || len(r.data) != 0 {
+					t.Fatalf("client read %q, %v; want EOF", r.data, r.err)
+				}
+			} else {
+				uc.Write([]byte("r1"))
+				uc.CloseWrite()
+				if r := wait(t, readAll(conn), "client"); r.err != nil || string(r.data) != "r1" {
+					t.Fatalf("client read %q, %v; want r1 then EOF", r.data, r.err)
+				}
+				conn.Write([]byte("q1"))
+				n, err := io.ReadFull(uc, buf[:2])
+				if err != nil || string(buf[:n]) != "q1" {
+					t.Fatalf("upstream read %q, %v after its FIN", buf[:n], err)
+				}
+				conn.CloseWrite()
+				if r := wait(t, readAll(uc), "upstream"); r.err != nil || len(r.data) != 0 {
+					t.Fatalf("upstream read %q, %v; want EOF", r.data, r.err)
+				}
+			}
+		})
 	}
 }
 
@@ -778,16 +821,13 @@ func TestPoolEvictsIdleConnections(t *testing.T) {
 	}
 }
 
-func TestHTTP2SettingsConfigured(t *testing.T) {
+func TestKeepaliveSettingsConfigured(t *testing.T) {
 	f := newFixture(t, dialHandler)
-	h2 := f.cl.h2
-	if h2.ReadIdleTimeout != 10*time.Second || h2.PingTimeout != 20*time.Second || h2.MaxReadFrameSize != 1<<20 {
-		t.Errorf("client transport: ping after %s, timeout %s, max frame %d; want 10s, 20s, 1 MiB",
-			h2.ReadIdleTimeout, h2.PingTimeout, h2.MaxReadFrameSize)
+	if f.cl.cfg.PingInterval != 10*time.Second || f.cl.cfg.PingTimeout != 20*time.Second {
+		t.Errorf("client: ping after %s, timeout %s; want 10s, 20s", f.cl.cfg.PingInterval, f.cl.cfg.PingTimeout)
 	}
-	hc := f.srv.base.HTTP2
-	if hc.SendPingTimeout != 10*time.Second || hc.PingTimeout != 20*time.Second || hc.MaxConcurrentStreams != 100 {
-		t.Errorf("server: %+v", hc)
+	if f.srv.pingInterval != 10*time.Second || f.srv.pingTimeout != 20*time.Second {
+		t.Errorf("server: ping after %s, timeout %s; want 10s, 20s", f.srv.pingInterval, f.srv.pingTimeout)
 	}
 }
 

@@ -6,11 +6,12 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"log"
 	"net"
 	"net/http"
 	"net/netip"
+	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -18,6 +19,7 @@ import (
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
 	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
 )
 
 // Request is an HBONE CONNECT request as the server hands it to its Handler.
@@ -85,36 +87,29 @@ type ServerConfig struct {
 	// frames, the connection closed if unanswered after PingTimeout.
 	// PingInterval and PingTimeout (the package constants) if zero.
 	PingInterval, PingTimeout time.Duration
-	// HalfCloseLinger is how long, after the upstream's EOF, the server
-	// keeps a stream open for a client that has not ended its half and
-	// is still sending: the stream ends (END_STREAM) once the client ends
-	// its half or sent nothing for this long. DefaultHalfCloseLinger if
-	// zero; negative ends the stream at once. See the package
-	// documentation.
-	HalfCloseLinger time.Duration
 	// OnRefusedConn, if set, is called for every connection refused
 	// before any request: a failed TLS handshake, no h2, no usable client
 	// certificate. For metrics; it runs before the refusal is logged.
 	OnRefusedConn func(local, remote net.Addr, err error)
-	// Logger receives a line per refused request and failed handshake.
+	// Logger receives a line per refused request, failed handshake and
+	// protocol error.
 	Logger zerolog.Logger
 }
 
-// DefaultHalfCloseLinger is ServerConfig.HalfCloseLinger's default.
-const DefaultHalfCloseLinger = 100 * time.Millisecond
-
 // Server is an HBONE server. It is safe for concurrent use.
 type Server struct {
-	tls     *tls.Config
-	handler Handler
-	hsTime  time.Duration
-	h2      *http2.Server
-	base    *http.Server
-	log     zerolog.Logger
-	bufSize int
-	linger  time.Duration
-	refused func(local, remote net.Addr, err error)
-	conns   atomic.Int64 // connections being served
+	tls          *tls.Config
+	handler      Handler
+	hsTime       time.Duration
+	pingInterval time.Duration
+	pingTimeout  time.Duration
+	log          zerolog.Logger
+	refused      func(local, remote net.Addr, err error)
+	conns        atomic.Int64 // connections being served
+
+	mu       sync.Mutex
+	live     map[*serverConn]struct{}
+	draining bool
 }
 
 // NewServer checks cfg and returns a Server.
@@ -141,40 +136,16 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	if cfg.PingTimeout <= 0 {
 		cfg.PingTimeout = PingTimeout
 	}
-	if cfg.HalfCloseLinger == 0 {
-		cfg.HalfCloseLinger = DefaultHalfCloseLinger
-	}
-	s := &Server{
-		refused: cfg.OnRefusedConn,
-		linger:  cfg.HalfCloseLinger,
-		tls:     tc,
-		handler: cfg.Handler,
-		hsTime:  cfg.HandshakeTimeout,
-		log:     cfg.Logger,
-		bufSize: 64 << 10,
-		h2:      &http2.Server{},
-	}
-	s.base = &http.Server{
-		// x/net/http2 reads its settings from here (net/http's
-		// HTTP2Config takes precedence over the deprecated http2.Server
-		// fields).
-		HTTP2: &http.HTTP2Config{
-			MaxConcurrentStreams:          MaxStreamsPerConn,
-			MaxReadFrameSize:              MaxFrameSize,
-			MaxReceiveBufferPerStream:     StreamWindow,
-			MaxReceiveBufferPerConnection: ConnWindow,
-			SendPingTimeout:               cfg.PingInterval,
-			PingTimeout:                   cfg.PingTimeout,
-		},
-		MaxHeaderBytes: 64 << 10,
-		ErrorLog:       log.New(cfg.Logger.With().Str("component", "http2").Logger(), "", 0),
-	}
-	// Registering the HTTP/2 server with its base server is what lets
-	// Drain send GOAWAY on every connection ServeConn serves.
-	if err := http2.ConfigureServer(s.base, s.h2); err != nil {
-		return nil, fmt.Errorf("hbone: configure HTTP/2 server: %w", err)
-	}
-	return s, nil
+	return &Server{
+		refused:      cfg.OnRefusedConn,
+		tls:          tc,
+		handler:      cfg.Handler,
+		hsTime:       cfg.HandshakeTimeout,
+		pingInterval: cfg.PingInterval,
+		pingTimeout:  cfg.PingTimeout,
+		log:          cfg.Logger,
+		live:         make(map[*serverConn]struct{}),
+	}, nil
 }
 
 // Serve accepts TCP connections from ln and serves each (ServeConn) until
@@ -238,34 +209,49 @@ func (s *Server) ServeConn(ctx context.Context, c net.Conn) {
 		log.Warn().Str("alpn", st.NegotiatedProtocol).Msg("hbone: client did not negotiate h2")
 		return
 	}
-	// x/net/http2 sets Request.TLS only for requests with :scheme https,
-	// which CONNECT has not: take the peer from the connection.
 	if len(st.PeerCertificates) == 0 {
 		s.refuseConn(c, errors.New("hbone: client presented no certificate"))
 		log.Warn().Msg("hbone: client presented no certificate")
 		return
 	}
-	ci := &connInfo{}
-	if ci.peer, err = x509svid.IDFromCert(st.PeerCertificates[0]); err != nil {
+	sc := &serverConn{srv: s, ctx: ctx}
+	if sc.peer, err = x509svid.IDFromCert(st.PeerCertificates[0]); err != nil {
 		s.refuseConn(c, err)
 		log.Warn().Err(err).Msg("hbone: client certificate has no SPIFFE ID")
 		return
 	}
-	ci.local, _ = addrPort(tc.LocalAddr())
-	ci.remote, _ = addrPort(tc.RemoteAddr())
-	s.h2.ServeConn(tc, &http2.ServeConnOpts{
-		Context:    ctx,
-		BaseConfig: s.base,
-		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			s.serveHTTP(w, r, ci)
-		}),
-	})
-}
+	sc.local, _ = addrPort(tc.LocalAddr())
+	sc.remote, _ = addrPort(tc.RemoteAddr())
+	log = log.With().Str("peer", sc.peer.String()).Logger()
+	sc.log = log
 
-// connInfo is what all streams of one connection share.
-type connInfo struct {
-	peer          spiffeid.ID
-	local, remote netip.AddrPort
+	// The client's preface, within the handshake timeout.
+	tc.SetReadDeadline(time.Now().Add(s.hsTime))
+	var preface [len(http2.ClientPreface)]byte
+	if _, err := io.ReadFull(tc, preface[:]); err != nil || string(preface[:]) != http2.ClientPreface {
+		log.Warn().Err(err).Str("got", string(preface[:])).Msg("hbone: no HTTP/2 client preface")
+		return
+	}
+	tc.SetReadDeadline(time.Time{})
+
+	sc.h = newH2Conn(tc, false, sc, log, s.pingInterval, s.pingTimeout)
+	s.mu.Lock()
+	s.live[sc] = struct{}{}
+	draining := s.draining
+	s.mu.Unlock()
+	defer func() {
+		s.mu.Lock()
+		delete(s.live, sc)
+		s.mu.Unlock()
+	}()
+	if err := sc.h.start(); err != nil {
+		sc.h.close(err)
+		return
+	}
+	if draining {
+		sc.h.sendGoAway()
+	}
+	sc.h.readLoop()
 }
 
 func addrPort(a net.Addr) (netip.AddrPort, bool) {
@@ -286,216 +272,342 @@ func (s *Server) refuseConn(c net.Conn, err error) {
 	}
 }
 
-// Drain sends GOAWAY on every connection being served, so that clients
-// open no new streams on them; open streams go on. It returns at once.
+// Drain sends GOAWAY on every connection being served, and on every one
+// accepted from now on, so that clients open no new streams on them; open
+// streams go on, and a connection closes once it has none left. It returns
+// at once.
 func (s *Server) Drain(ctx context.Context) error {
-	return s.base.Shutdown(ctx)
+	s.mu.Lock()
+	s.draining = true
+	conns := make([]*serverConn, 0, len(s.live))
+	for sc := range s.live {
+		conns = append(conns, sc)
+	}
+	s.mu.Unlock()
+	for _, sc := range conns {
+		sc.h.sendGoAway()
+	}
+	return nil
 }
 
 // OpenConns returns the number of connections being served.
 func (s *Server) OpenConns() int { return int(s.conns.Load()) }
 
-func (s *Server) serveHTTP(w http.ResponseWriter, r *http.Request, ci *connInfo) {
-	log := s.log.With().Str("peer_addr", r.RemoteAddr).Str("peer", ci.peer.String()).Str("authority", r.Host).Logger()
-	if r.Method != http.MethodConnect {
-		s.refuse(w, log, http.StatusMethodNotAllowed,
-			fmt.Errorf("hbone: method %s not allowed: HBONE takes CONNECT", r.Method))
-		return
+// serverConn is the server role of one connection.
+type serverConn struct {
+	srv           *Server
+	ctx           context.Context
+	h             *h2conn
+	log           zerolog.Logger
+	peer          spiffeid.ID
+	local, remote netip.AddrPort
+}
+
+// onHeaders opens a stream for a request and, unless it is refused at
+// once, starts a goroutine that connects and relays it.
+func (sc *serverConn) onHeaders(f *http2.MetaHeadersFrame) error {
+	h := sc.h
+	id := f.StreamID
+	if id%2 == 0 {
+		return connErrorf(http2.ErrCodeProtocol, "HEADERS on even stream %d from client", id)
 	}
-	req, err := s.parse(r, ci)
+	h.mu.Lock()
+	if s := h.streams[id]; s != nil {
+		sc.log.Info().Uint32("stream", id).Msg("hbone: second HEADERS (trailers) on a CONNECT stream, resetting stream")
+		s.resetLocked(http2.ErrCodeProtocol, fmt.Errorf("%w: trailers on a CONNECT stream", ErrReset))
+		s.closeReadLocked()
+		h.unlock()
+		h.kickAsync()
+		return nil
+	}
+	if id <= h.lastPeerID {
+		h.mu.Unlock()
+		return connErrorf(http2.ErrCodeStreamClosed, "HEADERS on closed stream %d", id)
+	}
+	h.lastPeerID = id
+	var refuse string
+	switch {
+	case h.goAwaySent:
+		refuse = "draining"
+	case len(h.streams) >= MaxStreamsPerConn:
+		refuse = fmt.Sprintf("%d streams open, the limit", len(h.streams))
+	case h.connecting >= MaxStreamsPerConn:
+		refuse = fmt.Sprintf("%d requests being connected, the limit", h.connecting)
+	}
+	if refuse != "" {
+		var err error
+		if !h.goAwaySent {
+			err = h.earlyResetLocked()
+		}
+		h.mu.Unlock()
+		if err != nil {
+			return err
+		}
+		sc.log.Info().Uint32("stream", id).Str("reason", refuse).Msg("hbone: stream refused (REFUSED_STREAM)")
+		if err := h.queue(func(fr *http2.Framer) error { return fr.WriteRSTStream(id, http2.ErrCodeRefusedStream) }); err != nil {
+			return err
+		}
+		h.kickAsync()
+		return nil
+	}
+	h.mu.Unlock()
+
+	req, status, perr := sc.parse(f)
+
+	h.mu.Lock()
+	s := h.newStreamLocked(id)
+	s.recvEnded = f.StreamEnded()
+	var ctx context.Context
+	if perr == nil {
+		s.connecting = true
+		h.connecting++
+		ctx, s.cancel = context.WithCancel(sc.ctx)
+	}
+	h.mu.Unlock()
+	if perr != nil {
+		sc.respond(s, status, perr, req.Target, h.kickAsync)
+		return nil
+	}
+	go sc.serve(ctx, s, req)
+	return nil
+}
+
+// connection-specific header fields, not allowed in HTTP/2 (RFC 9113
+// section 8.2.2).
+var connHeaders = map[string]bool{"connection": true, "keep-alive": true, "proxy-connection": true, "transfer-encoding": true, "upgrade": true}
+
+// parse checks a request's headers. On failure it returns the status to
+// answer and the error for the body.
+func (sc *serverConn) parse(f *http2.MetaHeadersFrame) (*Request, int, error) {
+	req := &Request{Peer: sc.peer, PeerAddr: sc.remote, LocalAddr: sc.local, Header: make(http.Header, len(f.Fields))}
+	if f.Truncated {
+		return req, http.StatusRequestHeaderFieldsTooLarge, fmt.Errorf("%w: header list over %d bytes", ErrBadRequest, maxHeaderListSize)
+	}
+	var method, authority string
+	var hasPath bool
+	for _, hf := range f.Fields {
+		switch {
+		case hf.Name == ":method":
+			method = hf.Value
+		case hf.Name == ":authority":
+			authority = hf.Value
+		case hf.Name == ":path" || hf.Name == ":scheme" || hf.Name == ":protocol":
+			hasPath = true
+		case hf.IsPseudo():
+		case connHeaders[hf.Name] || (hf.Name == "te" && hf.Value != "trailers"):
+			return req, http.StatusBadRequest, fmt.Errorf("%w: connection-specific header %q", ErrBadRequest, hf.Name)
+		default:
+			req.Header.Add(http.CanonicalHeaderKey(hf.Name), hf.Value)
+		}
+	}
+	if method != http.MethodConnect {
+		return req, http.StatusMethodNotAllowed, fmt.Errorf("hbone: method %s not allowed: HBONE takes CONNECT", method)
+	}
+	if hasPath {
+		return req, http.StatusBadRequest, fmt.Errorf("%w: CONNECT with :path, :scheme or :protocol", ErrBadRequest)
+	}
+	target, err := netip.ParseAddrPort(authority)
 	if err != nil {
-		s.refuse(w, log, http.StatusBadRequest, err)
+		return req, http.StatusBadRequest, fmt.Errorf("%w: :authority %q is not ip:port", ErrBadRequest, authority)
+	}
+	if target.Port() == 0 || target.Addr().IsUnspecified() {
+		return req, http.StatusBadRequest, fmt.Errorf("%w: :authority %q is not a connectable address", ErrBadRequest, authority)
+	}
+	req.Target = netip.AddrPortFrom(target.Addr().Unmap(), target.Port())
+	req.TraceParent = req.Header.Get(HeaderTraceParent)
+	if v := req.Header.Values(HeaderForwarded); len(v) > 0 {
+		if req.Forwarded, err = ParseForwarded(strings.Join(v, ",")); err != nil {
+			return req, http.StatusBadRequest, fmt.Errorf("%w: %v", ErrBadRequest, err)
+		}
+	}
+	if v := req.Header.Values(HeaderBaggage); len(v) > 0 {
+		if req.Baggage, err = ParseBaggage(strings.Join(v, ",")); err != nil {
+			return req, http.StatusBadRequest, fmt.Errorf("%w: %v", ErrBadRequest, err)
+		}
+	}
+	return req, 0, nil
+}
+
+// respond answers status with err's text as the body, ends the stream and
+// resets the client's half if it is still open (RST_STREAM NO_ERROR: the
+// request is not read).
+func (sc *serverConn) respond(s *stream, status int, err error, target netip.AddrPort, kick func()) {
+	sc.log.Info().Uint32("stream", s.id).Str("authority", target.String()).Int("status", status).Err(err).Msg("hbone: request refused")
+	h := sc.h
+	body := []byte(err.Error() + "\n")
+	h.mu.Lock()
+	defer func() { h.unlock(); kick() }()
+	if s.rst {
 		return
 	}
-	up, err := s.handler.Connect(r.Context(), req)
-	if err != nil {
-		s.refuse(w, log, Status(err), err)
+	fields := []hpack.HeaderField{
+		{Name: ":status", Value: strconv.Itoa(status)},
+		{Name: "content-type", Value: "text/plain; charset=utf-8"},
+	}
+	h.writeHeadersLocked(s.id, fields, false, h.peerMaxFrame)
+	n := int(min(int64(len(body)), s.sendWindow, h.sendWindow, int64(h.peerMaxFrame)))
+	body = body[:max(n, 0)]
+	s.sendWindow -= int64(len(body))
+	h.sendWindow -= int64(len(body))
+	id := s.id
+	h.queue(func(fr *http2.Framer) error { return fr.WriteData(id, true, body) })
+	s.sentEnded = true
+	s.closeReadLocked()
+	if s.recvEnded {
+		s.finishLocked()
+	} else {
+		s.resetLocked(http2.ErrCodeNo, fmt.Errorf("%w: refused", ErrReset))
+	}
+}
+
+// serve connects a request's upstream, answers, and relays.
+func (sc *serverConn) serve(ctx context.Context, s *stream, req *Request) {
+	h := sc.h
+	up, err := sc.srv.handler.Connect(ctx, req)
+	h.mu.Lock()
+	s.connecting = false
+	h.connecting--
+	reset := s.rst
+	h.mu.Unlock()
+	switch {
+	case err != nil && reset:
+		sc.log.Debug().Uint32("stream", s.id).Err(err).Msg("hbone: stream reset by client while connecting")
+		return
+	case err != nil:
+		sc.respond(s, Status(err), err, req.Target, h.kick)
 		return
 	}
-	w.WriteHeader(http.StatusOK)
-	if err := http.NewResponseController(w).Flush(); err != nil {
-		log.Debug().Err(err).Msg("hbone: client gone before 200 was sent")
+	h.mu.Lock()
+	if s.rst {
+		h.mu.Unlock()
+		sc.log.Debug().Uint32("stream", s.id).Msg("hbone: stream reset by client while connecting")
 		abort(up)
 		return
 	}
-	s.relay(w, r, up, log)
+	h.writeHeadersLocked(s.id, []hpack.HeaderField{{Name: ":status", Value: "200"}}, false, h.peerMaxFrame)
+	h.mu.Unlock()
+	h.kick()
+	sc.relay(s, up, req.Target)
 }
 
-func (s *Server) refuse(w http.ResponseWriter, log zerolog.Logger, status int, err error) {
-	log.Info().Int("status", status).Err(err).Msg("hbone: request refused")
-	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
-	w.WriteHeader(status)
-	io.WriteString(w, err.Error()+"\n")
-}
+// Upstream read buffers: small while a connection idles or carries small
+// messages, large once reads fill the small one.
+const (
+	smallReadBuf = 4 << 10
+	largeReadBuf = 64 << 10
+)
 
-func (s *Server) parse(r *http.Request, ci *connInfo) (*Request, error) {
-	target, err := netip.ParseAddrPort(r.Host)
-	if err != nil {
-		return nil, fmt.Errorf("%w: :authority %q is not ip:port", ErrBadRequest, r.Host)
-	}
-	if target.Port() == 0 || target.Addr().IsUnspecified() {
-		return nil, fmt.Errorf("%w: :authority %q is not a connectable address", ErrBadRequest, r.Host)
-	}
-	req := &Request{
-		Target:      netip.AddrPortFrom(target.Addr().Unmap(), target.Port()),
-		Peer:        ci.peer,
-		PeerAddr:    ci.remote,
-		LocalAddr:   ci.local,
-		TraceParent: r.Header.Get(HeaderTraceParent),
-		Header:      r.Header,
-	}
-	if v := r.Header.Values(HeaderForwarded); len(v) > 0 {
-		if req.Forwarded, err = ParseForwarded(strings.Join(v, ",")); err != nil {
-			return nil, fmt.Errorf("%w: %v", ErrBadRequest, err)
-		}
-	}
-	if v := r.Header.Values(HeaderBaggage); len(v) > 0 {
-		if req.Baggage, err = ParseBaggage(strings.Join(v, ",")); err != nil {
-			return nil, fmt.Errorf("%w: %v", ErrBadRequest, err)
-		}
-	}
-	return req, nil
-}
+var (
+	smallBufs = sync.Pool{New: func() any { return new([smallReadBuf]byte) }}
+	largeBufs = sync.Pool{New: func() any { return new([largeReadBuf]byte) }}
+)
 
 // relay copies between the stream and up until both directions ended or
 // one side failed; see the package documentation for the mapping of
 // half-close and reset.
-func (s *Server) relay(w http.ResponseWriter, r *http.Request, up net.Conn, log zerolog.Logger) {
-	rc := http.NewResponseController(w)
-	var (
-		upEOF       atomic.Bool  // the handler returns after the upstream's EOF
-		clientReset atomic.Bool  // the stream failed: up was aborted for it
-		lastData    atomic.Int64 // when data from the client last arrived, Unix ns
-	)
-	lastData.Store(time.Now().UnixNano())
-	toUp := make(chan struct{})
-	go func() {
-		defer close(toUp)
-		buf := make([]byte, s.bufSize)
-		rerr, werr := pump(up, r.Body, nil, buf, func() { lastData.Store(time.Now().UnixNano()) })
-		switch {
-		case upEOF.Load():
-			// The handler has returned (or is about to): its return
-			// closed the request body. Nothing to propagate.
-		case werr != nil:
-			// The upstream refuses data (reset or closed): abort it.
-			// Before its EOF the read side then fails and resets the
-			// stream; after it the stream ends and x/net resets the
-			// client's half.
-			log.Debug().Err(werr).Msg("hbone: write to upstream failed")
+func (sc *serverConn) relay(s *stream, up net.Conn, target netip.AddrPort) {
+	log := sc.log.With().Uint32("stream", s.id).Str("authority", target.String()).Logger()
+	var aborted atomic.Bool
+	abortUp := func() {
+		if aborted.CompareAndSwap(false, true) {
 			abort(up)
+		}
+	}
+	var left atomic.Int32
+	left.Store(2)
+	done := func() {
+		if left.Add(-1) == 0 && !aborted.Load() {
+			up.Close()
+		}
+	}
+
+	go func() {
+		defer done()
+		_, rerr, werr := s.writeTo(up)
+		switch {
+		case werr != nil:
+			// The upstream refuses data (reset or closed): abort it
+			// and reset the stream.
+			log.Debug().Err(werr).Msg("hbone: write to upstream failed, resetting stream")
+			abortUp()
+			s.reset(http2.ErrCodeInternal, fmt.Errorf("%w: upstream write failed", ErrReset))
 		case rerr == nil:
 			// END_STREAM from the client.
 			if err := closeWrite(up); err != nil {
 				log.Debug().Err(err).Msg("hbone: half-close of upstream failed")
 			}
 		default:
-			// RST_STREAM from the client or the connection died.
+			// RST_STREAM from the client, or the connection died.
 			log.Debug().Err(rerr).Msg("hbone: stream reset by client")
-			clientReset.Store(true)
-			abort(up)
+			abortUp()
 		}
 	}()
 
-	buf := make([]byte, s.bufSize)
-	rerr, werr := pump(w, up, rc.Flush, buf, nil)
-	switch {
-	case werr == nil && rerr == nil:
-		// Upstream EOF. Returning sends END_STREAM, but x/net then also
-		// resets the client's half if it is still open: linger while
-		// the client keeps sending.
-		if s.awaitClient(toUp, &lastData) {
-			up.Close()
-			if clientReset.Load() {
-				panic(http.ErrAbortHandler)
-			}
-			return
+	defer done()
+	sb := smallBufs.Get().(*[smallReadBuf]byte)
+	var lb *[largeReadBuf]byte
+	defer func() {
+		if sb != nil {
+			smallBufs.Put(sb)
 		}
-		upEOF.Store(true)
-		go func() {
-			// Returning closes the request body, which ends the copy.
-			<-toUp
-			up.Close()
-		}()
-		return
-	case werr != nil:
-		// The stream cannot take data: the client reset it or the
-		// connection died. Reset the upstream too.
-		clientReset.Store(true)
-		abort(up)
-	case clientReset.Load():
-		// Our own abort of up, for a client reset, ended the read.
-	default:
-		// The upstream failed (TCP RST): reset the stream.
-		log.Debug().Err(rerr).Msg("hbone: upstream read failed, resetting stream")
-		abort(up)
-	}
-	// RST_STREAM. Returning would end the stream like an EOF. Returning
-	// (or panicking) also closes the request body, which ends the copy
-	// above.
-	panic(http.ErrAbortHandler)
-}
-
-// awaitClient waits, after the upstream's EOF, for the client to end its
-// half (done closes; it returns true) or to send nothing for the linger
-// time (false).
-func (s *Server) awaitClient(done <-chan struct{}, lastData *atomic.Int64) bool {
-	select {
-	case <-done:
-		return true
-	default:
-	}
-	if s.linger <= 0 {
-		return false
-	}
-	eof := time.Now()
-	t := time.NewTimer(s.linger)
-	defer t.Stop()
-	for {
-		select {
-		case <-done:
-			return true
-		case <-t.C:
-			last := time.Unix(0, lastData.Load())
-			if last.Before(eof) {
-				last = eof
-			}
-			idle := time.Since(last)
-			if idle >= s.linger {
-				return false
-			}
-			t.Reset(s.linger - idle)
+		if lb != nil {
+			largeBufs.Put(lb)
 		}
-	}
-}
-
-// pump copies from src to dst, calling flush and then progress after each
-// write, until src ends. It returns the read error (nil at EOF) or the write
-// error.
-func pump(dst io.Writer, src io.Reader, flush func() error, buf []byte, progress func()) (rerr, werr error) {
+	}()
 	for {
-		n, err := src.Read(buf)
+		var buf []byte
+		if lb != nil {
+			buf = lb[:]
+		} else {
+			buf = sb[:]
+		}
+		n, err := up.Read(buf)
 		if n > 0 {
-			if _, werr := dst.Write(buf[:n]); werr != nil {
-				return nil, werr
+			if _, werr := s.write(buf[:n]); werr != nil {
+				// The client reset the stream or the connection died.
+				log.Debug().Err(werr).Msg("hbone: stream write failed, aborting upstream")
+				abortUp()
+				return
 			}
-			if flush != nil {
-				if werr := flush(); werr != nil {
-					return nil, werr
-				}
-			}
-			if progress != nil {
-				progress()
+			switch {
+			case lb == nil && n == len(buf):
+				lb = largeBufs.Get().(*[largeReadBuf]byte)
+			case lb != nil && n < smallReadBuf:
+				largeBufs.Put(lb)
+				lb = nil
 			}
 		}
 		if err == io.EOF {
-			return nil, nil
+			// The upstream's FIN: END_STREAM now; the client's half
+			// stays open until it ends it.
+			s.closeWrite()
+			return
 		}
 		if err != nil {
-			return err, nil
+			if !aborted.Load() {
+				log.Debug().Err(err).Msg("hbone: upstream read failed, resetting stream")
+				abortUp()
+				s.reset(http2.ErrCodeInternal, fmt.Errorf("%w: upstream failed", ErrReset))
+			}
+			return
 		}
 	}
 }
+
+func (sc *serverConn) onStreamDone(s *stream) {
+	if s.cancel != nil {
+		s.cancel()
+	}
+	h := sc.h
+	h.mu.Lock()
+	idle := h.goAwaySent && len(h.streams) == 0 && !h.closed
+	h.mu.Unlock()
+	if idle {
+		h.closeIdleLater()
+	}
+}
+
+func (sc *serverConn) onGoAway() {}
 
 func closeWrite(c net.Conn) error {
 	if cw, ok := c.(interface{ CloseWrite() error }); ok {
