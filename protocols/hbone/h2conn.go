@@ -40,7 +40,7 @@ const (
 	maxHeaderListSize = 64 << 10
 	// maxPending bounds the control frames queued for a peer that does not
 	// read them (PING or SETTINGS floods).
-	maxPending = 1 << 20
+	maxPending   = 1 << 20
 	writeBufSize = 16 << 10
 	readBufSize  = 16 << 10
 	// Rapid reset (CVE-2023-44487): more early resets (a stream reset by
@@ -93,7 +93,7 @@ type h2conn struct {
 
 	wmu  sync.Mutex
 	bw   *bufio.Writer
-	werr error  // sticky write error; guarded by wmu
+	werr error   // sticky write error; guarded by wmu
 	dhdr [9]byte // DATA frame header scratch; guarded by wmu
 	// spare is the drained pending buffer, reused; guarded by wmu.
 	spare []byte
