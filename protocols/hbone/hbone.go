@@ -9,38 +9,60 @@
 // upstream, answers 200 only once the upstream is connected (401, 503 or 400
 // otherwise), and then relays bytes between the stream and the upstream.
 //
-// Both ends are built on golang.org/x/net/http2 with ztunnel's settings:
-// stream window 4 MiB, connection window 16 MiB, frames up to 1 MiB, a PING
-// after 10 s without frames (20 s to answer), at most 100 streams per
-// connection.
+// Both ends run their own HTTP/2 connection state machine for CONNECT
+// streams on golang.org/x/net/http2's Framer (frames, HEADERS with
+// CONTINUATION decoded by its hpack decoder) and http2/hpack, with
+// ztunnel's settings: stream window 4 MiB, connection window 16 MiB, frames
+// up to 1 MiB, a PING after 10 s without frames (20 s to answer), at most
+// 100 streams per connection. Each TLS connection has one reader goroutine,
+// which handles SETTINGS, PING, WINDOW_UPDATE, RST_STREAM and GOAWAY
+// inline and appends DATA to the stream's receive buffer (pooled chunks,
+// held only while they hold data). A stream's Write puts DATA frames
+// straight onto the connection and flushes; no goroutine of the package
+// runs per client stream. Conn implements io.WriterTo, so a relay can hand
+// received data to its destination without a buffer of its own.
 //
 // # Half-close and reset
 //
-// End of data travels as END_STREAM and is mapped to and from TCP half-close:
-// Conn.CloseWrite on the client ends the request body and the server then
-// calls CloseWrite on the upstream; the upstream's EOF ends the response body
-// and the client's Read returns io.EOF.
-//
-// x/net/http2's server cannot end the response while it keeps reading the
-// request: returning from the handler ends both, and x/net then resets the
-// client's half with RST_STREAM(NO_ERROR) if it is still open (see the note
-// at the top of x/net/http2/server.go). So when the upstream sends its FIN
-// first, the server lingers: it keeps the stream open and relays the
-// client's bytes while the client is still sending, and sends END_STREAM
-// once the client ends its half or has sent nothing for
-// ServerConfig.HalfCloseLinger (100 ms by default). The client thus reads
-// the upstream's EOF up to one linger late when it keeps its half open, and
-// what it writes after the stream ended fails with an error wrapping
-// ErrReset (as a write to a closed TCP socket draws a reset). Client-first
-// half-close, the common case, is exact in both directions.
+// End of data travels as END_STREAM and is mapped to and from TCP half-close,
+// each direction on its own and exactly: Conn.CloseWrite on the client ends
+// the request body and the server then calls CloseWrite on the upstream;
+// the upstream's EOF makes the server send END_STREAM at once, and the
+// client's Read returns io.EOF, while bytes the client still sends keep
+// reaching the upstream until the client ends its half too.
 //
 // Abortive closes travel as RST_STREAM. Conn.Abort on the client cancels the
-// stream (RST_STREAM CANCEL); the server sees its request body fail and
-// aborts the upstream (Aborter, or SO_LINGER 0 on a *net.TCPConn, which makes
-// the kernel send a TCP RST). An upstream read error other than EOF (a TCP
-// RST) makes the server abort its handler with http.ErrAbortHandler, which
-// x/net turns into RST_STREAM(INTERNAL_ERROR); the client's Read then returns
-// an error wrapping ErrReset.
+// stream (RST_STREAM CANCEL); the server then aborts the upstream (Aborter,
+// or SO_LINGER 0 on a *net.TCPConn, which makes the kernel send a TCP RST).
+// An upstream read error other than EOF (a TCP RST), or an upstream that
+// refuses data, makes the server reset the stream (RST_STREAM
+// INTERNAL_ERROR); the client's Read and Write then return an error
+// wrapping ErrReset. After a complete response, RST_STREAM(NO_ERROR) from
+// the server (as net/http-based servers send when they stop reading) only
+// fails further Writes; the response stays readable up to io.EOF.
+//
+// # Protocol errors
+//
+// A malformed frame or header block of one stream resets that stream
+// (RST_STREAM PROTOCOL_ERROR, FLOW_CONTROL_ERROR, ...); a connection-level
+// error sends GOAWAY with its code and closes the connection. Either is
+// logged with the peer. The server defends against the known HTTP/2
+// attacks: header lists over 64 KiB are answered 431 and CONTINUATION
+// floods close the connection (the Framer's limits); SETTINGS and PING
+// floods, a peer that does not read its control frames, and rapid reset
+// (streams reset before their answer, or refused past the stream limit,
+// counted per second; Handler.Connect calls in progress bounded by the
+// stream limit) close it with ENHANCE_YOUR_CALM; window overflows are
+// FLOW_CONTROL_ERROR.
+//
+// # Drain
+//
+// Server.Drain sends GOAWAY(NO_ERROR) naming the last stream processed;
+// open streams finish, new ones are refused (REFUSED_STREAM), and the
+// connection closes once idle. The client stops using a connection that
+// received GOAWAY, and Dial retries a stream the server did not process
+// (beyond the GOAWAY's last stream, or REFUSED_STREAM) once on another
+// connection.
 package hbone
 
 import (

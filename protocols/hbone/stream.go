@@ -340,7 +340,7 @@ func (s *stream) reset(code http2.ErrCode, err error) {
 
 // chunkSize is the unit of receive buffers. Chunks come from a pool and go
 // back once read, so an idle stream holds none.
-const chunkSize = 32 << 10
+const chunkSize = 64 << 10
 
 type chunk struct {
 	b    [chunkSize]byte
