@@ -410,6 +410,9 @@ func (c *Client) open(ctx context.Context, pc *poolConn, target netip.AddrPort, 
 	}
 	conn := &Conn{s: s, pc: pc, target: target}
 	if status != http.StatusOK {
+		// The body is the refusal's reason; ctx bounds reading it.
+		stop := context.AfterFunc(ctx, func() { conn.Abort() })
+		defer stop()
 		var msg [1024]byte
 		n := 0
 		for n < len(msg) {
