@@ -374,14 +374,17 @@ func (c *Client) open(ctx context.Context, pc *poolConn, target netip.AddrPort, 
 	h := pc.h
 	h.mu.Lock()
 	if h.closed || h.goAwayRecv || h.nextID > maxWindow {
-		err := h.closeErr
-		if err == nil {
-			err = errors.New("connection going away")
+		// Only a connection going away is retried elsewhere: a closed
+		// one may have been refused (a client certificate the server
+		// rejected after the handshake), and a retry would repeat that.
+		err := fmt.Errorf("%w: connection going away", errUnprocessed)
+		if h.closed {
+			err = h.closeErr
 		}
 		h.usable.Store(false)
 		h.mu.Unlock()
 		c.release(pc)
-		return nil, fmt.Errorf("hbone: CONNECT %s via %s: %w: %w", target, pc.key.endpoint, errUnprocessed, err)
+		return nil, fmt.Errorf("hbone: CONNECT %s via %s: %w", target, pc.key.endpoint, err)
 	}
 	id := h.nextID
 	h.nextID += 2
