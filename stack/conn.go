@@ -5,6 +5,7 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"sync/atomic"
 	"syscall"
 
 	"gvisor.dev/gvisor/pkg/tcpip"
@@ -59,6 +60,7 @@ type Conn struct {
 	ep            tcpip.Endpoint
 	wq            *waiter.Queue
 	local, remote netip.AddrPort
+	notice        readNotice // WhenReadable's
 }
 
 func newConn(wq *waiter.Queue, ep tcpip.Endpoint, local, remote netip.AddrPort) *Conn {
@@ -83,6 +85,51 @@ func (c *Conn) WaitReadable() {
 	defer c.wq.EventUnregister(&e)
 	for c.ep.Readiness(readEvents) == 0 {
 		<-ch
+	}
+}
+
+// WhenReadable is WaitReadable without a goroutine: if a Read would not
+// block now it returns true and arranges nothing; otherwise it returns
+// false and calls f once, as soon as a Read would not block (Close and
+// Abort count). f runs on the goroutine that made the connection readable,
+// with the netstack's locks held: it must not block or use the connection
+// (it typically wakes or starts the goroutine that reads). One reader at a
+// time may use WhenReadable; each call replaces what the previous armed.
+func (c *Conn) WhenReadable(f func()) bool {
+	n := &c.notice
+	if n.registered {
+		c.wq.EventUnregister(&n.e) // waits out a NotifyEvent in flight
+		n.registered = false
+	}
+	if c.ep.Readiness(readEvents) != 0 {
+		return true
+	}
+	n.f = f
+	n.fired.Store(false)
+	n.e.Init(n, readEvents)
+	c.wq.EventRegister(&n.e)
+	n.registered = true
+	// Readiness may have come between the check and the registration,
+	// with nobody to tell.
+	if c.ep.Readiness(readEvents) != 0 && n.fired.CompareAndSwap(false, true) {
+		return true
+	}
+	return false
+}
+
+// readNotice is WhenReadable's waiter entry, one per connection, reused.
+type readNotice struct {
+	e          waiter.Entry
+	f          func()
+	fired      atomic.Bool
+	registered bool // only the reader touches it
+}
+
+// NotifyEvent runs under the queue's lock, from whichever goroutine made
+// the endpoint readable.
+func (n *readNotice) NotifyEvent(waiter.EventMask) {
+	if n.fired.CompareAndSwap(false, true) {
+		n.f()
 	}
 }
 
