@@ -65,6 +65,34 @@ func (c *Conn) WriteTo(w io.Writer) (int64, error) {
 	return n, nil
 }
 
+// WhenReadable returns true if a Read (or WriteBufferedTo) would not wait
+// now. Otherwise it returns false and calls f, once, as soon as one would
+// not wait: data or the end of the stream arrived, the stream was reset or
+// closed. f runs on the goroutine that made the stream readable, with the
+// connection's lock held: it must not block or use the stream (it
+// typically wakes or starts the goroutine that reads). With
+// WriteBufferedTo it lets a relay hold neither a goroutine nor a buffer
+// while the stream is idle.
+func (c *Conn) WhenReadable(f func()) bool { return c.s.whenReadable(f) }
+
+// WriteBufferedTo writes to w what the stream has received and not yet
+// read, without waiting for more. eof reports that the server ended the
+// stream and all of it was written (WriteTo's nil); err is a reset, a
+// close or a failed write to w, as for WriteTo.
+func (c *Conn) WriteBufferedTo(w io.Writer) (n int64, eof bool, err error) {
+	n, done, rerr, werr := c.s.drainTo(w)
+	switch {
+	case werr != nil:
+		return n, false, werr
+	case rerr != nil:
+		return n, false, c.streamError("read", rerr)
+	case done:
+		c.readEOF.Store(true)
+		return n, true, nil
+	}
+	return n, false, nil
+}
+
 // Write writes to the request body: bytes for the upstream. It returns once
 // the bytes are on the connection (or the stream failed).
 func (c *Conn) Write(p []byte) (int, error) {

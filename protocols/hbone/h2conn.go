@@ -748,11 +748,13 @@ func (c *h2conn) onData(f *http2.DataFrame) error {
 		} else {
 			s.buf.write(data)
 			s.rcond.Signal()
+			s.notifyReadLocked()
 		}
 	}
 	if f.StreamEnded() {
 		s.recvEnded = true
 		s.rcond.Broadcast()
+		s.notifyReadLocked()
 		c.sendCond.Broadcast()
 		s.finishLocked()
 	}

@@ -20,6 +20,8 @@ import (
 	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/hpack"
+
+	"github.com/meshtun/meshtun/protocols/relay"
 )
 
 // Request is an HBONE CONNECT request as the server hands it to its Handler.
@@ -502,96 +504,167 @@ var (
 	largeBufs = sync.Pool{New: func() any { return new([largeReadBuf]byte) }}
 )
 
-// relay copies between the stream and up until both directions ended or
-// one side failed; see the package documentation for the mapping of
-// half-close and reset.
-func (sc *serverConn) relay(s *stream, up net.Conn, target netip.AddrPort) {
-	log := sc.log.With().Uint32("stream", s.id).Str("authority", target.String()).Logger()
-	var aborted atomic.Bool
-	abortUp := func() {
-		if aborted.CompareAndSwap(false, true) {
-			abort(up)
-		}
-	}
-	var left atomic.Int32
-	left.Store(2)
-	done := func() {
-		if left.Add(-1) == 0 && !aborted.Load() {
-			up.Close()
-		}
-	}
+// readNotifier is an upstream connection that can call back once a read
+// would not block (*stack.Conn and connections that embed one), so that
+// an idle relay direction needs no goroutine. f is called from the
+// goroutine that made the connection readable and must not block.
+type readNotifier interface {
+	WhenReadable(f func()) bool
+}
 
-	go func() {
-		defer done()
-		_, rerr, werr := s.writeTo(up)
+// serverRelay copies between a stream and its upstream until both
+// directions ended or one side failed; see the package documentation for
+// the mapping of half-close and reset. A direction holds a goroutine only
+// while the stream is busy: when its source runs dry it arms a readiness
+// callback (stream.whenReadable, readNotifier) and waits for it on its
+// goroutine for relay.Grace, then lets the goroutine go (relay.Idle); an
+// idle stream holds neither a goroutine nor a buffer.
+type serverRelay struct {
+	sc      *serverConn
+	s       *stream
+	up      net.Conn
+	target  netip.AddrPort
+	aborted atomic.Bool
+	left    atomic.Int32
+	large   atomic.Bool // the last upstream read filled a small buffer
+	// toIdle and fromIdle park the two directions; toNotify and
+	// fromNotify are their Notify methods as values made once.
+	toIdle, fromIdle     relay.Idle
+	toNotify, fromNotify func()
+}
+
+// relay starts the relay of s and up and returns.
+func (sc *serverConn) relay(s *stream, up net.Conn, target netip.AddrPort) {
+	r := &serverRelay{sc: sc, s: s, up: up, target: target}
+	r.left.Store(2)
+	r.toIdle.Init(r.toUpstream)
+	r.fromIdle.Init(r.fromUpstream)
+	r.toNotify, r.fromNotify = r.toIdle.Notify, r.fromIdle.Notify
+	go r.toUpstream()
+	go r.fromUpstream()
+}
+
+func (r *serverRelay) debug() *zerolog.Event {
+	return r.sc.log.Debug().Uint32("stream", r.s.id).Stringer("authority", r.target)
+}
+
+func (r *serverRelay) abortUp() {
+	if r.aborted.CompareAndSwap(false, true) {
+		abort(r.up)
+	}
+}
+
+// done ends one direction; the second closes up, unless it was aborted.
+func (r *serverRelay) done() {
+	if r.left.Add(-1) == 0 && !r.aborted.Load() {
+		r.up.Close()
+	}
+}
+
+// toUpstream copies what the client sends to the upstream.
+func (r *serverRelay) toUpstream() {
+	for {
+		_, ended, rerr, werr := r.s.drainTo(r.up)
+		if !ended {
+			if r.s.whenReadable(r.toNotify) || r.toIdle.Wait(relay.Grace) {
+				continue
+			}
+			return // toUpstream starts again once there is more
+		}
 		switch {
 		case werr != nil:
 			// The upstream refuses data (reset or closed): abort it
 			// and reset the stream.
-			log.Debug().Err(werr).Msg("hbone: write to upstream failed, resetting stream")
-			abortUp()
-			s.reset(http2.ErrCodeInternal, fmt.Errorf("%w: upstream write failed", ErrReset))
+			r.debug().Err(werr).Msg("hbone: write to upstream failed, resetting stream")
+			r.abortUp()
+			r.s.reset(http2.ErrCodeInternal, fmt.Errorf("%w: upstream write failed", ErrReset))
 		case rerr == nil:
 			// END_STREAM from the client.
-			if err := closeWrite(up); err != nil {
-				log.Debug().Err(err).Msg("hbone: half-close of upstream failed")
+			if err := closeWrite(r.up); err != nil {
+				r.debug().Err(err).Msg("hbone: half-close of upstream failed")
 			}
 		default:
 			// RST_STREAM from the client, or the connection died.
-			log.Debug().Err(rerr).Msg("hbone: stream reset by client")
-			abortUp()
+			r.debug().Err(rerr).Msg("hbone: stream reset by client")
+			r.abortUp()
 		}
-	}()
+		r.done()
+		return
+	}
+}
 
-	defer done()
-	sb := smallBufs.Get().(*[smallReadBuf]byte)
-	var lb *[largeReadBuf]byte
-	defer func() {
-		if sb != nil {
-			smallBufs.Put(sb)
-		}
-		if lb != nil {
-			largeBufs.Put(lb)
-		}
-	}()
+// fromUpstream copies what the upstream sends to the client. A buffer is
+// taken for each read and given back after it.
+func (r *serverRelay) fromUpstream() {
+	rn, _ := r.up.(readNotifier)
 	for {
-		var buf []byte
-		if lb != nil {
-			buf = lb[:]
-		} else {
-			buf = sb[:]
+		if rn != nil && !rn.WhenReadable(r.fromNotify) && !r.fromIdle.Wait(relay.Grace) {
+			return // fromUpstream starts again once the upstream is readable
 		}
-		n, err := up.Read(buf)
-		if n > 0 {
-			if _, werr := s.write(buf[:n]); werr != nil {
-				// The client reset the stream or the connection died.
-				log.Debug().Err(werr).Msg("hbone: stream write failed, aborting upstream")
-				abortUp()
-				return
-			}
-			switch {
-			case lb == nil && n == len(buf):
-				lb = largeBufs.Get().(*[largeReadBuf]byte)
-			case lb != nil && n < smallReadBuf:
-				largeBufs.Put(lb)
-				lb = nil
-			}
+		err := r.readUpstream()
+		if err == errStreamWrite {
+			// The client reset the stream or the connection died.
+			r.abortUp()
+			r.done()
+			return
 		}
 		if err == io.EOF {
 			// The upstream's FIN: END_STREAM now; the client's half
 			// stays open until it ends it.
-			s.closeWrite()
+			r.s.closeWrite()
+			r.done()
 			return
 		}
 		if err != nil {
-			if !aborted.Load() {
-				log.Debug().Err(err).Msg("hbone: upstream read failed, resetting stream")
-				abortUp()
-				s.reset(http2.ErrCodeInternal, fmt.Errorf("%w: upstream failed", ErrReset))
+			if !r.aborted.Load() {
+				r.debug().Err(err).Msg("hbone: upstream read failed, resetting stream")
+				r.abortUp()
+				r.s.reset(http2.ErrCodeInternal, fmt.Errorf("%w: upstream failed", ErrReset))
 			}
+			r.done()
 			return
 		}
 	}
+}
+
+// errStreamWrite marks a failed write to the stream in readUpstream.
+var errStreamWrite = errors.New("hbone: stream write failed")
+
+// readUpstream reads once from the upstream into a pooled buffer, small or
+// large by how full the last read was, and writes what it read to the
+// stream.
+func (r *serverRelay) readUpstream() error {
+	var buf []byte
+	var sb *[smallReadBuf]byte
+	var lb *[largeReadBuf]byte
+	if r.large.Load() {
+		lb = largeBufs.Get().(*[largeReadBuf]byte)
+		buf = lb[:]
+	} else {
+		sb = smallBufs.Get().(*[smallReadBuf]byte)
+		buf = sb[:]
+	}
+	defer func() {
+		if sb != nil {
+			smallBufs.Put(sb)
+		} else {
+			largeBufs.Put(lb)
+		}
+	}()
+	n, err := r.up.Read(buf)
+	if n > 0 {
+		if _, werr := r.s.write(buf[:n]); werr != nil {
+			r.debug().Err(werr).Msg("hbone: stream write failed, aborting upstream")
+			return errStreamWrite
+		}
+		switch {
+		case sb != nil && n == len(buf):
+			r.large.Store(true)
+		case lb != nil && n < smallReadBuf:
+			r.large.Store(false)
+		}
+	}
+	return err
 }
 
 func (sc *serverConn) onStreamDone(s *stream) {

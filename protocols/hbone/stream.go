@@ -32,6 +32,9 @@ type stream struct {
 	readClosed bool // Close or Abort: buffered and further data is dropped
 	reading    bool // a WriteTo writes from buf outside the lock
 	removed    bool // left c.streams
+	// onReadable, if set, is called (with c.mu held) the next time a read
+	// would not wait (see whenReadable).
+	onReadable func()
 
 	// Client: the response.
 	ready       chan struct{} // closed when the response or a reset arrived
@@ -68,7 +71,38 @@ func (s *stream) finishLocked() {
 // wakeLocked wakes everything waiting on s.
 func (s *stream) wakeLocked() {
 	s.rcond.Broadcast()
+	s.notifyReadLocked()
 	s.c.sendCond.Broadcast()
+}
+
+// notifyReadLocked calls the onReadable callback, if one is armed: data,
+// END_STREAM, a reset or a close has just made a read not wait.
+func (s *stream) notifyReadLocked() {
+	if f := s.onReadable; f != nil {
+		s.onReadable = nil
+		f()
+	}
+}
+
+// whenReadable returns true if a read would not wait now; otherwise it
+// arms f, to be called once a read would not wait, and returns false. f
+// runs with the connection's lock held, on the goroutine that made the
+// stream readable (often the connection's reader): it must not block or
+// use the stream. At most one callback is armed at a time.
+func (s *stream) whenReadable(f func()) bool {
+	c := s.c
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if s.readableLocked() {
+		return true
+	}
+	s.onReadable = f
+	return false
+}
+
+// readableLocked reports whether a read would return without waiting.
+func (s *stream) readableLocked() bool {
+	return (s.buf.size > 0 && !s.readClosed) || s.readErrLocked() != nil
 }
 
 // resetLocked resets s from our side: RST_STREAM(code) unless the stream
@@ -177,6 +211,19 @@ func (s *stream) read(p []byte) (int, error) {
 // receive buffer, until END_STREAM (rerr nil), a reset or close (rerr), or
 // a failed write to w (werr).
 func (s *stream) writeTo(w io.Writer) (n int64, rerr, werr error) {
+	n, _, rerr, werr = s.copyOut(w, true)
+	return n, rerr, werr
+}
+
+// drainTo writes what the receive buffer holds to w without waiting for
+// more. done reports the end of reading: END_STREAM with everything
+// written (rerr nil), a reset or close (rerr), or a failed write (werr).
+func (s *stream) drainTo(w io.Writer) (n int64, done bool, rerr, werr error) {
+	return s.copyOut(w, false)
+}
+
+// copyOut is writeTo (wait) and drainTo (!wait).
+func (s *stream) copyOut(w io.Writer, wait bool) (n int64, done bool, rerr, werr error) {
 	c := s.c
 	var vec [16][]byte
 	for {
@@ -187,7 +234,11 @@ func (s *stream) writeTo(w io.Writer) (n int64, rerr, werr error) {
 				if err == io.EOF {
 					err = nil
 				}
-				return n, err, nil
+				return n, true, err, nil
+			}
+			if !wait {
+				c.mu.Unlock()
+				return n, false, nil, nil
 			}
 			s.rcond.Wait()
 		}
@@ -220,7 +271,7 @@ func (s *stream) writeTo(w io.Writer) (n int64, rerr, werr error) {
 		c.kick()
 		n += m
 		if err != nil {
-			return n, nil, err
+			return n, true, nil, err
 		}
 	}
 }
