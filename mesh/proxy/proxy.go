@@ -184,25 +184,29 @@ func (p *Proxy) passthrough(rec *record, req *stack.TCPRequest, target netip.Add
 	p.relayAccepted(rec, req, up, nil)
 }
 
-// relayAccepted completes the client's handshake, relays between it and
-// up until both are done, and reports the connection. authz, if not nil,
-// is re-evaluated on policy changes.
+// relayAccepted completes the client's handshake and starts the relay
+// between it and up, which reports the connection when both directions are
+// done; it returns at once, so that the goroutine that dialled (and grew
+// its stack doing so) ends. authz, if not nil, is re-evaluated on policy
+// changes.
 func (p *Proxy) relayAccepted(rec *record, req *stack.TCPRequest, up net.Conn, authz *authorized) {
 	// Tracked before the client's handshake completes, so that a drain
 	// that starts the moment the client sees its connection open waits
 	// for it. Resetting up is enough to abort: the relay then resets the
 	// client's side too.
 	t := p.open.add(authz, func() { reset(up) })
-	defer p.open.remove(t)
 	down, err := req.Accept()
 	if err != nil {
 		reset(up)
 		rec.refused(err)
+		p.open.remove(t)
 		return
 	}
 	rec.opened()
-	res := relay(down, up, rec.sent, rec.received)
-	rec.done(res.AToB, res.BToA, res.Reset)
+	startRelay(down, up, rec.sent, rec.received, func(res relayResult) {
+		rec.done(res.AToB, res.BToA, res.Reset)
+		p.open.remove(t)
+	})
 }
 
 func connectError(err error) string {

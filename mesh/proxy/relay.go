@@ -6,8 +6,12 @@ import (
 	"net"
 	"os"
 	"sync"
+	"sync/atomic"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/meshtun/meshtun/protocols/hbone"
+	"github.com/meshtun/meshtun/protocols/relay"
 )
 
 // relayBufSize is the copy buffer per direction. 64 KiB moves a full TSO
@@ -34,69 +38,183 @@ type relayResult struct {
 	Reset      bool  // a reset ended the connection
 }
 
-// relay copies between a and b until both directions are done, then closes
-// both. onAB and onBA, if not nil, are told of every chunk written (for
-// live byte metrics). Each direction ends on its own: EOF from one side becomes a
-// half-close (FIN) towards the other while the opposite direction goes on.
-// A reset on either side becomes a reset on the other, never a FIN.
-func relay(a, b net.Conn, onAB, onBA func(int)) relayResult {
-	var res relayResult
-	var wg sync.WaitGroup
-	var resetOnce sync.Once
-	resetBoth := func() {
-		resetOnce.Do(func() {
-			res.Reset = true
-			reset(a)
-			reset(b)
-		})
-	}
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		res.BToA = copyHalf(a, b, resetBoth, onBA)
-	}()
-	res.AToB = copyHalf(b, a, resetBoth, onAB)
-	wg.Wait()
-	a.Close()
-	b.Close()
-	return res
+// readNotifier is a connection that can call back once a Read would not
+// block, instead of a goroutine waiting in Read: *stack.Conn and
+// *hbone.Conn are readNotifiers.
+type readNotifier interface {
+	// WhenReadable returns true if a Read would not block now; otherwise
+	// it returns false and calls f, once, as soon as one would not, from
+	// the goroutine that made it readable (f must not block).
+	WhenReadable(f func()) bool
 }
 
-// copyHalf copies src to dst. On EOF it half-closes dst; on any other error
-// (a reset, or a write to a reset peer) it calls abort. A copy buffer is
-// taken from the pool only while there is something to copy (see
-// readPooled), so an idle connection holds none.
-func copyHalf(dst, src net.Conn, abort func(), onWrite func(int)) int64 {
-	var total int64
-	for {
-		bp, n, rerr := readPooled(src)
-		if n > 0 {
-			w, werr := dst.Write((*bp)[:n])
-			total += int64(w)
-			if onWrite != nil && w > 0 {
-				onWrite(w)
+// startRelay copies between a and b until both directions are done, then
+// closes both and calls done with what moved; it returns at once. onAB and
+// onBA, if not nil, are told of every chunk written (for live byte
+// metrics). Each direction ends on its own: EOF from one side becomes a
+// half-close (FIN) towards the other while the opposite direction goes on.
+// A reset on either side becomes a reset on the other, never a FIN.
+//
+// A direction whose source is a readNotifier holds a goroutine only while
+// the connection is busy: when its source runs dry it arms a callback and
+// waits for it on its goroutine for relay.Grace, then lets the goroutine
+// go (relay.Idle). So an idle connection through the netstack or an HBONE
+// stream holds no goroutine and no buffer for that direction, while one
+// that exchanges messages keeps a warm goroutine whose wake-up is a
+// hand-off. Other sources (kernel sockets) keep a goroutine waiting in the
+// poller, without a buffer (readPooled).
+func startRelay(a, b net.Conn, onAB, onBA func(int), done func(relayResult)) {
+	r := &relayRun{a: a, b: b, done: done}
+	r.left.Store(2)
+	ab := &relayHalf{r: r, src: a, dst: b, onWrite: onAB, moved: &r.res.AToB}
+	ba := &relayHalf{r: r, src: b, dst: a, onWrite: onBA, moved: &r.res.BToA}
+	for _, h := range []*relayHalf{ab, ba} {
+		h.idle.Init(h.run)
+		h.notify = h.idle.Notify
+		go h.run()
+	}
+}
+
+// relayRun is one relay's shared state.
+type relayRun struct {
+	a, b      net.Conn
+	res       relayResult // each half writes its own count before it ends
+	resetOnce sync.Once
+	left      atomic.Int32 // directions still running
+	done      func(relayResult)
+}
+
+// resetBoth closes both sides abortively, once.
+func (r *relayRun) resetBoth() {
+	r.resetOnce.Do(func() {
+		r.res.Reset = true
+		reset(r.a)
+		reset(r.b)
+	})
+}
+
+// halfDone ends one direction; after the second, both sides are closed
+// and done is told.
+func (r *relayRun) halfDone() {
+	if r.left.Add(-1) == 0 {
+		r.a.Close()
+		r.b.Close()
+		r.done(r.res)
+	}
+}
+
+// relayHalf is one direction of a relay.
+type relayHalf struct {
+	r        *relayRun
+	src, dst net.Conn
+	onWrite  func(int)
+	moved    *int64
+	idle     relay.Idle // waits for a readNotifier source
+	notify   func()     // idle.Notify, as a value made once
+}
+
+// await arms src's readiness callback and waits for it (relay.Idle). It
+// reports whether the caller goes on, src readable; false means its
+// goroutine must end, and run starts again on another once src is
+// readable.
+func (h *relayHalf) await(src readNotifier) bool {
+	return src.WhenReadable(h.notify) || h.idle.Wait(relay.Grace)
+}
+
+// run copies until the direction ends or, for a readNotifier source,
+// until the source has nothing more for now.
+func (h *relayHalf) run() {
+	switch src := h.src.(type) {
+	case *hbone.Conn:
+		h.runStream(src)
+	case readNotifier:
+		for {
+			if !h.await(src) {
+				return // run starts again once there is more
 			}
-			if werr != nil {
-				relayBufs.Put(bp)
-				abort()
-				return total
+			if h.step() {
+				h.r.halfDone()
+				return
 			}
 		}
-		relayBufs.Put(bp)
-		if rerr != nil {
-			if errors.Is(rerr, io.EOF) {
-				if hc, ok := dst.(halfCloser); ok {
-					if hc.CloseWrite() == nil {
-						return total
-					}
-				}
-				dst.Close()
-				return total
-			}
-			abort()
-			return total
+	default:
+		for !h.step() {
+		}
+		h.r.halfDone()
+	}
+}
+
+// runStream copies an HBONE stream to dst: its DATA goes from the stream's
+// receive buffer straight to dst, without a copy buffer of our own.
+func (h *relayHalf) runStream(src *hbone.Conn) {
+	w := &countingWriter{w: h.dst, on: h.onWrite}
+	for {
+		n, eof, err := src.WriteBufferedTo(w)
+		*h.moved += n
+		switch {
+		case err != nil:
+			h.r.resetBoth()
+		case eof:
+			h.halfClose()
+		case !h.await(src):
+			return // run starts again once there is more
+		default:
+			continue
+		}
+		h.r.halfDone()
+		return
+	}
+}
+
+// step reads once from src (see readPooled) and writes what it read to dst.
+// It reports whether the direction ended: EOF, which half-closes dst, or
+// any other error (a reset, or a write to a reset peer), which resets both
+// sides.
+func (h *relayHalf) step() (ended bool) {
+	bp, n, rerr := readPooled(h.src)
+	defer relayBufs.Put(bp)
+	if n > 0 {
+		w, werr := h.dst.Write((*bp)[:n])
+		*h.moved += int64(w)
+		if h.onWrite != nil && w > 0 {
+			h.onWrite(w)
+		}
+		if werr != nil {
+			h.r.resetBoth()
+			return true
 		}
 	}
+	switch {
+	case rerr == nil:
+		return false
+	case errors.Is(rerr, io.EOF):
+		h.halfClose()
+	default:
+		h.r.resetBoth()
+	}
+	return true
+}
+
+// halfClose ends dst's write side (a FIN), or closes dst if it cannot.
+func (h *relayHalf) halfClose() {
+	if hc, ok := h.dst.(halfCloser); ok && hc.CloseWrite() == nil {
+		return
+	}
+	h.dst.Close()
+}
+
+// countingWriter tells on of every chunk it writes to w.
+type countingWriter struct {
+	w  io.Writer
+	on func(int)
+}
+
+func (c *countingWriter) Write(p []byte) (int, error) {
+	n, err := c.w.Write(p)
+	if c.on != nil && n > 0 {
+		c.on(n)
+	}
+	return n, err
 }
 
 // readWaiter is a connection that can wait until a Read would not block

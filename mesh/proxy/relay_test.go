@@ -30,13 +30,13 @@ func tcpPair(t *testing.T) (client, server *net.TCPConn) {
 	return c, s
 }
 
-// startRelay relays between two kernel connections and returns the far
+// startKernelRelay relays between two kernel connections and returns the far
 // ends: the client's (whose peer is the relay's a) and the server's.
-func startRelay(t *testing.T) (client, server *net.TCPConn, result <-chan relayResult) {
+func startKernelRelay(t *testing.T) (client, server *net.TCPConn, result <-chan relayResult) {
 	client, a := tcpPair(t)
 	b, server := tcpPair(t)
 	res := make(chan relayResult, 1)
-	go func() { res <- relay(a, b, nil, nil) }()
+	go func() { res <- relayAndWait(a, b, nil, nil) }()
 	return client, server, res
 }
 
@@ -55,7 +55,7 @@ func waitResult(t *testing.T, res <-chan relayResult) relayResult {
 // worth), the client's FIN reaches the server while the server's reply
 // still flows, and the relay ends after both directions ended.
 func TestRelayHalfClose(t *testing.T) {
-	client, server, res := startRelay(t)
+	client, server, res := startKernelRelay(t)
 	req := bytes.Repeat([]byte("request."), 3*relayBufSize/8)
 	go func() {
 		client.Write(req)
@@ -83,7 +83,7 @@ func TestRelayHalfClose(t *testing.T) {
 // TestRelayReset: a reset from the server reaches the client as a reset,
 // not a FIN, while the client's side is idle.
 func TestRelayReset(t *testing.T) {
-	client, server, res := startRelay(t)
+	client, server, res := startKernelRelay(t)
 	server.SetLinger(0)
 	server.Close()
 	client.SetReadDeadline(time.Now().Add(10 * time.Second))
@@ -102,7 +102,7 @@ func TestRelayCloseWhileIdle(t *testing.T) {
 	client, a := tcpPair(t)
 	b, _ := tcpPair(t)
 	res := make(chan relayResult, 1)
-	go func() { res <- relay(a, b, nil, nil) }()
+	go func() { res <- relayAndWait(a, b, nil, nil) }()
 	// The relay is idle once the client's data has crossed.
 	if _, err := client.Write([]byte("x")); err != nil {
 		t.Fatal(err)
@@ -111,4 +111,12 @@ func TestRelayCloseWhileIdle(t *testing.T) {
 	if r := waitResult(t, res); !r.Reset {
 		t.Fatalf("relay result %+v, want a reset", r)
 	}
+}
+
+// relayAndWait relays between a and b and returns what moved once both
+// directions are done.
+func relayAndWait(a, b net.Conn, onAB, onBA func(int)) relayResult {
+	ch := make(chan relayResult, 1)
+	startRelay(a, b, onAB, onBA, func(r relayResult) { ch <- r })
+	return <-ch
 }
