@@ -294,8 +294,8 @@ func TestIstioDialerConcurrentStreams(t *testing.T) {
 
 // A server-first workload that sends and closes at once, reached by Istio's
 // dialer through our server: Istio's dialer, which never half-closes, reads
-// every byte and then EOF, once our server ends the stream after its
-// half-close linger.
+// every byte and then EOF, which our server sends (END_STREAM) as soon as
+// the workload's FIN arrives.
 func TestIstioDialerUpstreamFINFirst(t *testing.T) {
 	m := newMesh(t)
 	banner := payload(6, 1<<20+7)
