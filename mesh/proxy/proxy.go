@@ -198,7 +198,15 @@ func (p *Proxy) relayAccepted(rec *record, req *stack.TCPRequest, up net.Conn, a
 	down, err := req.Accept()
 	if err != nil {
 		reset(up)
-		rec.refused(err)
+		if errors.Is(err, syscall.ECONNRESET) {
+			// The client completed its handshake and reset the
+			// connection before the netstack handed it over: a
+			// connection that ended in a reset, not a refusal.
+			rec.opened()
+			rec.done(0, 0, true)
+		} else {
+			rec.refused(err)
+		}
 		p.open.remove(t)
 		return
 	}
