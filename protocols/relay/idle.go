@@ -93,9 +93,14 @@ func (p *Idle) Wait(grace time.Duration) bool {
 		return true
 	case <-p.timer.C:
 	}
+	// An idle direction keeps no timer. Only a goroutine in Wait uses
+	// it, and the next one cannot start before the state says gone.
+	t := p.timer
+	p.timer = nil
 	if p.state.CompareAndSwap(parked, gone) {
 		return false
 	}
+	p.timer = t
 	<-p.wake // Notify won the race and sends
 	return true
 }
