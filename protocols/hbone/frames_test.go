@@ -715,3 +715,33 @@ func FuzzServerFrames(f *testing.F) {
 		}
 	})
 }
+
+// TestFramesResetWhileConnectingReturnsWindow: DATA sent on a stream that
+// the client resets while its Connect runs is given back to the
+// connection window; otherwise a few such streams would leave the
+// connection without window for good.
+func TestFramesResetWhileConnectingReturnsWindow(t *testing.T) {
+	ah := &attackHandler{}
+	f := newFixture(t, ah)
+	rc := newRawClient(t, f)
+	rc.connect(1, blockTarget)
+	chunk := make([]byte, MaxFrameSize)
+	for range StreamWindow / MaxFrameSize {
+		if err := rc.fr.WriteData(1, false, chunk); err != nil {
+			t.Fatal(err)
+		}
+	}
+	rc.fr.WriteRSTStream(1, http2.ErrCodeCancel)
+	rc.tc.SetReadDeadline(time.Now().Add(3 * time.Second))
+	var got uint32
+	for got < StreamWindow {
+		f := rc.until("connection WINDOW_UPDATE", func(f http2.Frame) bool {
+			w, ok := f.(*http2.WindowUpdateFrame)
+			return ok && w.StreamID == 0
+		})
+		got += f.(*http2.WindowUpdateFrame).Increment
+		if got == ConnWindow-initialWindow {
+			got = 0 // the initial one
+		}
+	}
+}

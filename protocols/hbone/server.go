@@ -470,7 +470,15 @@ func (sc *serverConn) serve(ctx context.Context, s *stream, req *Request) {
 	s.connecting = false
 	h.connecting--
 	reset := s.rst
+	if reset {
+		// Nobody reads what the client sent before its reset: give it
+		// back to the connection window.
+		s.closeReadLocked()
+	}
 	h.mu.Unlock()
+	if reset {
+		h.kick()
+	}
 	switch {
 	case err != nil && reset:
 		sc.log.Debug().Uint32("stream", s.id).Err(err).Msg("hbone: stream reset by client while connecting")
@@ -481,7 +489,9 @@ func (sc *serverConn) serve(ctx context.Context, s *stream, req *Request) {
 	}
 	h.mu.Lock()
 	if s.rst {
+		s.closeReadLocked()
 		h.mu.Unlock()
+		h.kick()
 		sc.log.Debug().Uint32("stream", s.id).Msg("hbone: stream reset by client while connecting")
 		abort(up)
 		return
