@@ -745,3 +745,44 @@ func TestFramesResetWhileConnectingReturnsWindow(t *testing.T) {
 		}
 	}
 }
+
+// abortConn is an upstream whose writes block until it is closed, and
+// which reports an Abort.
+type abortConn struct {
+	net.Conn
+	aborted chan struct{}
+	once    sync.Once
+}
+
+func (a *abortConn) Abort() error {
+	a.once.Do(func() { close(a.aborted) })
+	return a.Conn.Close()
+}
+
+// TestFramesResetAbortsBlockedUpstream: RST_STREAM from the client aborts
+// the upstream even while the relay is blocked writing to it (an upstream
+// that does not read), so that a reset stream, which no longer counts
+// against the stream limit, holds no relay.
+func TestFramesResetAbortsBlockedUpstream(t *testing.T) {
+	ups := make(chan *abortConn, 1)
+	f := newFixture(t, HandlerFunc(func(ctx context.Context, req *Request) (net.Conn, error) {
+		x, y := net.Pipe() // nobody reads y: writes to x block
+		t.Cleanup(func() { y.Close() })
+		a := &abortConn{Conn: x, aborted: make(chan struct{})}
+		ups <- a
+		return a, nil
+	}))
+	rc := newRawClient(t, f)
+	rc.connect(1, echoTarget)
+	if s := rc.status(1); s != "200" {
+		t.Fatalf("status %s", s)
+	}
+	a := <-ups
+	rc.fr.WriteData(1, false, []byte("stuck"))
+	rc.fr.WriteRSTStream(1, http2.ErrCodeCancel)
+	select {
+	case <-a.aborted:
+	case <-time.After(3 * time.Second):
+		t.Fatal("upstream not aborted 3 s after RST_STREAM from the client")
+	}
+}

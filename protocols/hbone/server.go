@@ -496,10 +496,12 @@ func (sc *serverConn) serve(ctx context.Context, s *stream, req *Request) {
 		abort(up)
 		return
 	}
+	r := sc.newRelay(s, up, req.Target)
+	s.abortUp = r.abortUp
 	h.writeHeadersLocked(s.id, []hpack.HeaderField{{Name: ":status", Value: "200"}}, false, h.peerMaxFrame)
 	h.mu.Unlock()
 	h.kick()
-	sc.relay(s, up, req.Target)
+	r.start()
 }
 
 // Upstream read buffers: small while a connection idles or carries small
@@ -543,13 +545,18 @@ type serverRelay struct {
 	toNotify, fromNotify func()
 }
 
-// relay starts the relay of s and up and returns.
-func (sc *serverConn) relay(s *stream, up net.Conn, target netip.AddrPort) {
+// newRelay returns the relay of s and up; start starts it.
+func (sc *serverConn) newRelay(s *stream, up net.Conn, target netip.AddrPort) *serverRelay {
 	r := &serverRelay{sc: sc, s: s, up: up, target: target}
 	r.left.Store(2)
 	r.toIdle.Init(r.toUpstream)
 	r.fromIdle.Init(r.fromUpstream)
 	r.toNotify, r.fromNotify = r.toIdle.Notify, r.fromIdle.Notify
+	return r
+}
+
+// start starts the relay's two directions and returns.
+func (r *serverRelay) start() {
 	go r.toUpstream()
 	go r.fromUpstream()
 }
@@ -680,6 +687,11 @@ func (r *serverRelay) readUpstream() error {
 func (sc *serverConn) onStreamDone(s *stream) {
 	if s.cancel != nil {
 		s.cancel()
+	}
+	if s.rst && s.abortUp != nil {
+		// Reset either way or the connection failed: abort the upstream
+		// now, even if the relay is blocked writing to it.
+		s.abortUp()
 	}
 	h := sc.h
 	h.mu.Lock()

@@ -44,6 +44,9 @@ type stream struct {
 	// Server.
 	connecting bool // Handler.Connect runs
 	cancel     context.CancelFunc
+	// abortUp aborts the relay's upstream; set (under c.mu) once the
+	// relay exists, called by onStreamDone for a reset stream.
+	abortUp func()
 }
 
 func (c *h2conn) newStreamLocked(id uint32) *stream {
