@@ -409,6 +409,9 @@ func (c *Client) open(ctx context.Context, pc *poolConn, target netip.AddrPort, 
 	status, got, rerr := s.status, s.status != 0, s.rstErr
 	h.mu.Unlock()
 	if !got {
+		// Drop what the server sent before it reset the stream, giving
+		// it back to the connection window.
+		s.reset(http2.ErrCodeCancel, rerr)
 		return nil, fmt.Errorf("hbone: CONNECT %s via %s: %w", target, pc.key.endpoint, rerr)
 	}
 	conn := &Conn{s: s, pc: pc, target: target}

@@ -786,3 +786,53 @@ func TestFramesResetAbortsBlockedUpstream(t *testing.T) {
 		t.Fatal("upstream not aborted 3 s after RST_STREAM from the client")
 	}
 }
+
+// TestClientResetBeforeResponseReturnsWindow: DATA a server sent on a
+// stream before resetting it without a response is given back to the
+// connection window, not kept by a stream Dial dropped.
+func TestClientResetBeforeResponseReturnsWindow(t *testing.T) {
+	ids := newIdentities(t)
+	returned := make(chan uint32, 1)
+	ep := fakeServers(t, ids, func(i int, fr *http2.Framer, c *tls.Conn) {
+		var got uint32
+		for {
+			f, err := fr.ReadFrame()
+			if err != nil {
+				return
+			}
+			switch f := f.(type) {
+			case *http2.SettingsFrame:
+				if !f.IsAck() {
+					fr.WriteSettingsAck()
+				}
+			case *http2.MetaHeadersFrame:
+				chunk := make([]byte, 1<<20)
+				for range StreamWindow / len(chunk) {
+					fr.WriteData(f.StreamID, false, chunk)
+				}
+				fr.WriteRSTStream(f.StreamID, http2.ErrCodeInternal)
+			case *http2.WindowUpdateFrame:
+				if f.StreamID != 0 || f.Increment == ConnWindow-initialWindow {
+					continue
+				}
+				if got += f.Increment; got >= StreamWindow {
+					returned <- got
+					return
+				}
+			}
+		}
+	})
+	c, err := NewClient(ClientConfig{TLS: ids.clientTLS, Logger: testLogger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if _, err := c.Dial(ctxTimeout(t, 5*time.Second), DialRequest{Source: ids.client, Destination: ids.server, Endpoint: ep, Target: echoTarget}); err == nil {
+		t.Fatal("Dial succeeded on a stream reset without a response")
+	}
+	select {
+	case <-returned:
+	case <-time.After(3 * time.Second):
+		t.Fatal("the reset stream's DATA was not given back to the connection window")
+	}
+}
