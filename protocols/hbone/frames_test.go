@@ -836,3 +836,63 @@ func TestClientResetBeforeResponseReturnsWindow(t *testing.T) {
 		t.Fatal("the reset stream's DATA was not given back to the connection window")
 	}
 }
+
+// floodTarget is an upstream that sends without end.
+var floodTarget = netip.MustParseAddrPort("127.0.0.1:19")
+
+// floodHandler connects floodTarget to an upstream that writes until its
+// connection is closed.
+type floodHandler struct{}
+
+func (floodHandler) Connect(ctx context.Context, req *Request) (net.Conn, error) {
+	if req.Target != floodTarget {
+		return nil, ErrUnreachable
+	}
+	x, y := net.Pipe()
+	go func() {
+		buf := make([]byte, 64<<10)
+		for {
+			if _, err := y.Write(buf); err != nil {
+				y.Close()
+				return
+			}
+		}
+	}()
+	return x, nil
+}
+
+// TestFramesPeerThatStopsReadingIsClosed: a client that grants a huge
+// window, then never reads while it keeps sending frames (so the
+// keepalive, which counts frames received, never pings), blocks the
+// server's writes. The server must close that connection once its writes
+// made no progress for PingTimeout, rather than keep the relay, its
+// upstream and every stream of the connection stuck for good.
+func TestFramesPeerThatStopsReadingIsClosed(t *testing.T) {
+	f := newFixture(t, floodHandler{}, func(s *ServerConfig, _ *ClientConfig) {
+		s.PingInterval, s.PingTimeout = 50*time.Millisecond, 200*time.Millisecond
+	})
+	rc := newRawClient(t, f)
+	rc.tc.SetDeadline(time.Time{})
+	if err := rc.fr.WriteSettings(http2.Setting{ID: http2.SettingInitialWindowSize, Val: 1 << 30}); err != nil {
+		t.Fatal(err)
+	}
+	if err := rc.fr.WriteWindowUpdate(0, 1<<30); err != nil {
+		t.Fatal(err)
+	}
+	rc.connect(1, floodTarget)
+	deadline := time.Now().Add(10 * time.Second)
+	for i := uint64(0); ; i++ {
+		// Frames keep coming in; none is read.
+		var data [8]byte
+		binary.BigEndian.PutUint64(data[:], i)
+		rc.tc.SetWriteDeadline(time.Now().Add(time.Second))
+		werr := rc.fr.WritePing(false, data)
+		if n := f.srv.OpenConns(); n == 0 || werr != nil {
+			return // closed: the server gave up on the peer
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the server still serves a peer that has read nothing for 10 s (PingTimeout 200 ms)")
+		}
+		time.Sleep(20 * time.Millisecond) // the pace of the peer's PINGs, not a wait for the server
+	}
+}

@@ -141,6 +141,35 @@ type h2conn struct {
 	pingTimeout     time.Duration
 	lastFramesCheck uint64
 	closedCh        chan struct{}
+	// written counts the writes that got through to the peer, below TLS
+	// where the connection was wrapped in a countingConn (one per TLS
+	// record), else at nc. The keepalive timer (stallSeen, stallSince:
+	// its own) closes a connection whose writer has been blocked without
+	// progress for pingTimeout.
+	written    *atomic.Uint64
+	stallSeen  uint64
+	stallSince time.Time
+}
+
+// countingConn counts the writes to a connection that got bytes through.
+type countingConn struct {
+	net.Conn
+	n *atomic.Uint64
+}
+
+func (c countingConn) Write(b []byte) (int, error) {
+	n, err := c.Conn.Write(b)
+	if n > 0 {
+		c.n.Add(1)
+	}
+	return n, err
+}
+
+// countWrites wraps a connection (before TLS) so that its writes are
+// counted; the counter goes to newH2Conn.
+func countWrites(c net.Conn) (net.Conn, *atomic.Uint64) {
+	n := new(atomic.Uint64)
+	return countingConn{Conn: c, n: n}, n
 }
 
 // pendBuf is an io.Writer appending to a byte slice.
@@ -148,13 +177,15 @@ type pendBuf struct{ b []byte }
 
 func (p *pendBuf) Write(b []byte) (int, error) { p.b = append(p.b, b...); return len(b), nil }
 
-func newH2Conn(nc net.Conn, client bool, r role, log zerolog.Logger, pingInterval, pingTimeout time.Duration) *h2conn {
+// newH2Conn returns the HTTP/2 connection on nc. written, if not nil,
+// counts the writes below nc (countWrites); if nil, writes to nc are
+// counted.
+func newH2Conn(nc net.Conn, written *atomic.Uint64, client bool, r role, log zerolog.Logger, pingInterval, pingTimeout time.Duration) *h2conn {
 	c := &h2conn{
 		nc:             nc,
 		client:         client,
 		role:           r,
 		log:            log,
-		bw:             bufio.NewWriterSize(nc, writeBufSize),
 		streams:        make(map[uint32]*stream),
 		sendWindow:     initialWindow,
 		recvWindow:     ConnWindow,
@@ -166,6 +197,12 @@ func newH2Conn(nc net.Conn, client bool, r role, log zerolog.Logger, pingInterva
 		closedCh:       make(chan struct{}),
 	}
 	c.sendCond.L = &c.mu
+	var w io.Writer = nc
+	if written == nil {
+		w, written = countWrites(nc)
+	}
+	c.written = written
+	c.bw = bufio.NewWriterSize(w, writeBufSize)
 	c.fr = http2.NewFramer(nil, bufio.NewReaderSize(nc, readBufSize))
 	c.fr.SetMaxReadFrameSize(MaxFrameSize)
 	c.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
@@ -394,6 +431,11 @@ func (c *h2conn) checkAlive() {
 	if c.isClosed() {
 		return
 	}
+	if c.writeStalled() {
+		c.log.Warn().Dur("timeout", c.pingTimeout).Msg("hbone: peer reads nothing, closing connection")
+		c.close(fmt.Errorf("hbone: %s read nothing for %s", c.nc.RemoteAddr(), c.pingTimeout))
+		return
+	}
 	if c.pingOut.Load() {
 		if time.Since(c.pingSent) >= c.pingTimeout {
 			c.log.Warn().Dur("timeout", c.pingTimeout).Msg("hbone: PING unanswered, closing connection")
@@ -417,6 +459,24 @@ func (c *h2conn) checkAlive() {
 	c.queue(func(fr *http2.Framer) error { return fr.WritePing(false, data) })
 	c.kick()
 	c.keepalive.Reset(c.pingTimeout)
+}
+
+// writeStalled reports whether a write to the peer has been in progress,
+// without any of it getting through, for pingTimeout: a peer that keeps
+// sending but does not read. Frames it sends keep the PING keepalive
+// quiet, so this is what notices it. Only the keepalive timer calls it.
+func (c *h2conn) writeStalled() bool {
+	if c.wmu.TryLock() {
+		c.wmu.Unlock()
+		c.stallSince = time.Time{}
+		return false
+	}
+	now, n := time.Now(), c.written.Load()
+	if c.stallSince.IsZero() || n != c.stallSeen {
+		c.stallSince, c.stallSeen = now, n
+		return false
+	}
+	return now.Sub(c.stallSince) >= c.pingTimeout
 }
 
 func (c *h2conn) isClosed() bool {

@@ -194,8 +194,11 @@ func (s *Server) ServeConn(ctx context.Context, c net.Conn) {
 	log := s.log.With().Str("peer_addr", c.RemoteAddr().String()).Str("local_addr", c.LocalAddr().String()).Logger()
 
 	tc, ok := c.(*tls.Conn)
+	var written *atomic.Uint64 // nil: counted above TLS
 	if !ok {
-		tc = tls.Server(c, s.tls)
+		var counted net.Conn
+		counted, written = countWrites(c)
+		tc = tls.Server(counted, s.tls)
 	}
 	hctx, cancel := context.WithTimeout(ctx, s.hsTime)
 	err := tc.HandshakeContext(hctx)
@@ -236,7 +239,7 @@ func (s *Server) ServeConn(ctx context.Context, c net.Conn) {
 	}
 	tc.SetReadDeadline(time.Time{})
 
-	sc.h = newH2Conn(tc, false, sc, log, s.pingInterval, s.pingTimeout)
+	sc.h = newH2Conn(tc, written, false, sc, log, s.pingInterval, s.pingTimeout)
 	s.mu.Lock()
 	s.live[sc] = struct{}{}
 	draining := s.draining
