@@ -71,65 +71,51 @@ func newConn(wq *waiter.Queue, ep tcpip.Endpoint, local, remote netip.AddrPort) 
 // peer's FIN (readable), a reset or other failure, the connection closed.
 const readEvents = waiter.ReadableEvents | waiter.EventHUp | waiter.EventErr
 
-// WaitReadable blocks until a Read would return without waiting: data has
-// arrived, the peer has ended its side, the connection has failed or has
-// been closed. It holds no buffer while it waits, so that a relay needs a
-// buffer only when there is something to copy. It does not observe the
-// read deadline; Close (or Abort) from another goroutine ends the wait.
-func (c *Conn) WaitReadable() {
-	if c.ep.Readiness(readEvents) != 0 {
-		return
-	}
-	e, ch := waiter.NewChannelEntry(readEvents)
-	c.wq.EventRegister(&e)
-	defer c.wq.EventUnregister(&e)
-	for c.ep.Readiness(readEvents) == 0 {
-		<-ch
-	}
-}
-
-// WhenReadable is WaitReadable without a goroutine: if a Read would not
-// block now it returns true and arranges nothing; otherwise it returns
-// false and calls f once, as soon as a Read would not block (Close and
-// Abort count). f runs on the goroutine that made the connection readable,
-// with the netstack's locks held: it must not block or use the connection
-// (it typically wakes or starts the goroutine that reads). One reader at a
-// time may use WhenReadable; each call replaces what the previous armed.
+// WhenReadable returns true if a Read would not block now, and arranges
+// nothing; otherwise it returns false and calls f once, as soon as a Read
+// would not block (data, the peer's FIN, a failure, Close and Abort
+// count). f runs on the goroutine that made the connection readable, with
+// the netstack's locks held: it must not block or use the connection (it
+// typically wakes or starts the goroutine that reads). It lets a relay
+// hold neither a goroutine nor a buffer while the connection is idle. One
+// reader at a time may use WhenReadable; each call replaces what the
+// previous one armed.
 func (c *Conn) WhenReadable(f func()) bool {
 	n := &c.notice
-	if n.registered {
-		c.wq.EventUnregister(&n.e) // waits out a NotifyEvent in flight
-		n.registered = false
+	if !n.registered {
+		// Registered once, for the connection's life: arming is then
+		// two atomic operations, not the queue's lock twice.
+		n.e.Init(n, readEvents)
+		c.wq.EventRegister(&n.e)
+		n.registered = true
 	}
 	if c.ep.Readiness(readEvents) != 0 {
 		return true
 	}
-	n.f = f
-	n.fired.Store(false)
-	n.e.Init(n, readEvents)
-	c.wq.EventRegister(&n.e)
-	n.registered = true
-	// Readiness may have come between the check and the registration,
-	// with nobody to tell.
-	if c.ep.Readiness(readEvents) != 0 && n.fired.CompareAndSwap(false, true) {
+	n.fn = f
+	n.armed.Store(true)
+	// Readiness may have come between the check and the arming, with
+	// nobody to tell.
+	if c.ep.Readiness(readEvents) != 0 && n.armed.CompareAndSwap(true, false) {
 		return true
 	}
 	return false
 }
 
-// readNotice is WhenReadable's waiter entry, one per connection, reused.
+// readNotice is WhenReadable's waiter entry, one per connection.
 type readNotice struct {
 	e          waiter.Entry
-	f          func()
-	fired      atomic.Bool
-	registered bool // only the reader touches it
+	armed      atomic.Bool // fn is to be called; cleared by whoever calls it
+	fn         func()      // written by the reader before it arms
+	registered bool        // only the reader touches it
 }
 
 // NotifyEvent runs under the queue's lock, from whichever goroutine made
-// the endpoint readable.
+// the endpoint readable, on every such event: it fires the callback if
+// one is armed.
 func (n *readNotice) NotifyEvent(waiter.EventMask) {
-	if n.fired.CompareAndSwap(false, true) {
-		n.f()
+	if n.armed.CompareAndSwap(true, false) {
+		n.fn()
 	}
 }
 
