@@ -7,6 +7,7 @@ import (
 	"os"
 	"sync"
 	"sync/atomic"
+	"syscall"
 
 	"golang.org/x/sys/unix"
 
@@ -71,6 +72,7 @@ func startRelay(a, b net.Conn, onAB, onBA func(int), done func(relayResult)) {
 	for _, h := range []*relayHalf{ab, ba} {
 		h.idle.Init(h.run)
 		h.notify = h.idle.Notify
+		h.out = countingWriter{w: h.dst, on: h.onWrite}
 		go h.run()
 	}
 }
@@ -109,8 +111,9 @@ type relayHalf struct {
 	src, dst net.Conn
 	onWrite  func(int)
 	moved    *int64
-	idle     relay.Idle // waits for a readNotifier source
-	notify   func()     // idle.Notify, as a value made once
+	idle     relay.Idle     // waits for a readNotifier source
+	notify   func()         // idle.Notify, as a value made once
+	out      countingWriter // dst, counted, for an HBONE source
 }
 
 // await arms src's readiness callback and waits for it (relay.Idle). It
@@ -147,9 +150,8 @@ func (h *relayHalf) run() {
 // runStream copies an HBONE stream to dst: its DATA goes from the stream's
 // receive buffer straight to dst, without a copy buffer of our own.
 func (h *relayHalf) runStream(src *hbone.Conn) {
-	w := &countingWriter{w: h.dst, on: h.onWrite}
 	for {
-		n, eof, err := src.WriteBufferedTo(w)
+		n, eof, err := src.WriteBufferedTo(&h.out)
 		*h.moved += n
 		switch {
 		case err != nil:
@@ -217,63 +219,55 @@ func (c *countingWriter) Write(p []byte) (int, error) {
 	return n, err
 }
 
-// readWaiter is a connection that can wait until a Read would not block
-// without holding a buffer meanwhile. *stack.Conn is one.
-type readWaiter interface {
-	WaitReadable()
-}
-
 // readPooled reads once from src into a buffer from relayBufs and returns
-// it (to be put back by the caller) with what Read returned. For
-// connections whose readiness can be awaited without a buffer (netstack
-// connections, kernel sockets) the buffer is taken only once the read will
-// not block: a relay that waits for an idle peer holds no buffer. Other
-// connections are read with the buffer held for the wait.
+// it (to be put back by the caller) with what Read returned. On a kernel
+// socket the buffer is taken only once the read will not block, so a
+// relay waiting for an idle peer holds none (readNotifier sources are
+// read only once they are readable). Other connections are read with the
+// buffer held for the wait.
 func readPooled(src net.Conn) (bp *[]byte, n int, err error) {
-	switch c := src.(type) {
-	case readWaiter:
-		c.WaitReadable()
-		bp = relayBufs.Get().(*[]byte)
-		n, err = src.Read(*bp)
-		return bp, n, err
-	case *net.TCPConn:
-		rc, rerr := c.SyscallConn()
-		if rerr != nil {
-			break
+	if c, ok := src.(*net.TCPConn); ok {
+		if rc, rerr := c.SyscallConn(); rerr == nil {
+			return readKernel(c, rc)
 		}
-		// The runtime's poller calls the function again each time the
-		// socket turns readable; the buffer goes back to the pool
-		// between calls.
-		cerr := rc.Read(func(fd uintptr) bool {
-			bp = relayBufs.Get().(*[]byte)
-			for {
-				n, err = unix.Read(int(fd), *bp)
-				if err != unix.EINTR {
-					break
-				}
-			}
-			if err == unix.EAGAIN {
-				relayBufs.Put(bp)
-				bp = nil
-				return false
-			}
-			return true
-		})
-		if bp == nil { // the wait ended without a read: closed, deadline
-			bp = relayBufs.Get().(*[]byte)
-			return bp, 0, cerr
-		}
-		switch {
-		case err != nil:
-			return bp, 0, &net.OpError{Op: "read", Net: "tcp", Source: src.LocalAddr(), Addr: src.RemoteAddr(), Err: os.NewSyscallError("read", err)}
-		case n == 0:
-			return bp, 0, io.EOF
-		}
-		return bp, n, nil
 	}
 	bp = relayBufs.Get().(*[]byte)
 	n, err = src.Read(*bp)
 	return bp, n, err
+}
+
+// readKernel is readPooled on a kernel socket: the read happens inside
+// the poller's callback, with a buffer taken for it alone.
+func readKernel(src *net.TCPConn, rc syscall.RawConn) (bp *[]byte, n int, err error) {
+	// The runtime's poller calls the function again each time the
+	// socket turns readable; the buffer goes back to the pool
+	// between calls.
+	cerr := rc.Read(func(fd uintptr) bool {
+		bp = relayBufs.Get().(*[]byte)
+		for {
+			n, err = unix.Read(int(fd), *bp)
+			if err != unix.EINTR {
+				break
+			}
+		}
+		if err == unix.EAGAIN {
+			relayBufs.Put(bp)
+			bp = nil
+			return false
+		}
+		return true
+	})
+	if bp == nil { // the wait ended without a read: closed, deadline
+		bp = relayBufs.Get().(*[]byte)
+		return bp, 0, cerr
+	}
+	switch {
+	case err != nil:
+		return bp, 0, &net.OpError{Op: "read", Net: "tcp", Source: src.LocalAddr(), Addr: src.RemoteAddr(), Err: os.NewSyscallError("read", err)}
+	case n == 0:
+		return bp, 0, io.EOF
+	}
+	return bp, n, nil
 }
 
 // reset closes c abortively.
