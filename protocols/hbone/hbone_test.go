@@ -141,6 +141,20 @@ type upstream struct {
 	conns chan *net.TCPConn
 }
 
+// stream opens a stream through f to a new upstream and returns both
+// ends: the client's Conn (closed when the test ends) and the upstream's
+// side of the connection the server dialled.
+func (f *fixture) stream(t testing.TB) (*Conn, *net.TCPConn) {
+	t.Helper()
+	up := newUpstream(t)
+	conn, err := f.dial(ctxTimeout(t, 5*time.Second), up.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return conn, up.accept(t)
+}
+
 func newUpstream(t testing.TB) *upstream {
 	t.Helper()
 	ln, err := net.ListenTCP("tcp", &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1)})
@@ -225,13 +239,7 @@ func wait(t testing.TB, ch <-chan result, what string) result {
 
 func TestConnectDataBothWays(t *testing.T) {
 	f := newFixture(t, dialHandler)
-	up := newUpstream(t)
-	conn, err := f.dial(ctxTimeout(t, 5*time.Second), up.addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	uc := up.accept(t)
+	conn, uc := f.stream(t)
 
 	// Both directions at once. The upstream ends its half only after the
 	// client's FIN: the other order is TestHalfCloseUpstreamFirst.
@@ -263,20 +271,14 @@ func TestConnectDataBothWays(t *testing.T) {
 	if got := conn.PeerID(); got != f.server {
 		t.Errorf("PeerID = %s, want %s", got, f.server)
 	}
-	if got := conn.RemoteAddr().String(); got != up.addr.String() {
-		t.Errorf("RemoteAddr = %s, want the target %s", got, up.addr)
+	if got, want := conn.RemoteAddr().String(), uc.LocalAddr().String(); got != want {
+		t.Errorf("RemoteAddr = %s, want the target %s", got, want)
 	}
 }
 
 func TestServerFirst(t *testing.T) {
 	f := newFixture(t, dialHandler)
-	up := newUpstream(t)
-	conn, err := f.dial(ctxTimeout(t, 5*time.Second), up.addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	uc := up.accept(t)
+	conn, uc := f.stream(t)
 	const banner = "220 smtp.example ESMTP ready\r\n"
 	if _, err := uc.Write([]byte(banner)); err != nil {
 		t.Fatal(err)
@@ -410,13 +412,7 @@ func TestHandlerRefusals(t *testing.T) {
 
 func TestHalfCloseClientFirst(t *testing.T) {
 	f := newFixture(t, dialHandler)
-	up := newUpstream(t)
-	conn, err := f.dial(ctxTimeout(t, 5*time.Second), up.addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	uc := up.accept(t)
+	conn, uc := f.stream(t)
 	if _, err := conn.Write([]byte("request")); err != nil {
 		t.Fatal(err)
 	}
@@ -444,13 +440,7 @@ func TestHalfCloseClientFirst(t *testing.T) {
 // bytes after that still reach the upstream until it ends its half.
 func TestHalfCloseUpstreamFirst(t *testing.T) {
 	f := newFixture(t, dialHandler)
-	up := newUpstream(t)
-	conn, err := f.dial(ctxTimeout(t, 5*time.Second), up.addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	uc := up.accept(t)
+	conn, uc := f.stream(t)
 	upGot := readAll(uc)
 	uc.Write([]byte("bye"))
 	uc.CloseWrite() // the upstream keeps reading
@@ -568,13 +558,7 @@ func TestResetClientToUpstream(t *testing.T) {
 
 func TestResetUpstreamToClient(t *testing.T) {
 	f := newFixture(t, dialHandler)
-	up := newUpstream(t)
-	conn, err := f.dial(ctxTimeout(t, 5*time.Second), up.addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	uc := up.accept(t)
+	conn, uc := f.stream(t)
 	uc.Write([]byte("partial"))
 	buf := make([]byte, 7)
 	if _, err := io.ReadFull(conn, buf); err != nil {
