@@ -439,14 +439,9 @@ func (c *Client) open(ctx context.Context, pc *poolConn, target netip.AddrPort, 
 func (pc *poolConn) onHeaders(f *http2.MetaHeadersFrame) error {
 	h := pc.h
 	h.mu.Lock()
-	s := h.streams[f.StreamID]
+	s, err := h.streamOrUnlock(f.StreamID, "HEADERS")
 	if s == nil {
-		idle := h.isIdleLocked(f.StreamID)
-		h.mu.Unlock()
-		if idle {
-			return connErrorf(http2.ErrCodeProtocol, "HEADERS on stream %d, which we did not open", f.StreamID)
-		}
-		return nil
+		return err
 	}
 	defer func() { h.unlock(); h.kickAsync() }()
 	if s.gotResponse {

@@ -671,6 +671,22 @@ func (c *h2conn) onPing(f *http2.PingFrame) error {
 	return nil
 }
 
+// streamOrUnlock returns stream id, with c.mu still held. If there is no
+// such stream it releases c.mu and returns nil and, for a frame (named
+// frame, for the error) on a stream that was never opened, the connection
+// error; a frame for a stream that has closed is ignored (nil error).
+func (c *h2conn) streamOrUnlock(id uint32, frame string) (*stream, error) {
+	if s := c.streams[id]; s != nil {
+		return s, nil
+	}
+	idle := c.isIdleLocked(id)
+	c.mu.Unlock()
+	if idle {
+		return nil, connErrorf(http2.ErrCodeProtocol, "%s on idle stream %d", frame, id)
+	}
+	return nil, nil
+}
+
 // isIdleLocked reports whether id names a stream that was never opened.
 func (c *h2conn) isIdleLocked(id uint32) bool {
 	if c.client {
@@ -692,14 +708,9 @@ func (c *h2conn) onWindowUpdate(f *http2.WindowUpdateFrame) error {
 		c.mu.Unlock()
 		return nil
 	}
-	s := c.streams[f.StreamID]
+	s, err := c.streamOrUnlock(f.StreamID, "WINDOW_UPDATE")
 	if s == nil {
-		idle := c.isIdleLocked(f.StreamID)
-		c.mu.Unlock()
-		if idle {
-			return connErrorf(http2.ErrCodeProtocol, "WINDOW_UPDATE on idle stream %d", f.StreamID)
-		}
-		return nil
+		return err
 	}
 	if s.sendWindow+inc > maxWindow {
 		c.log.Info().Uint32("stream", s.id).Int64("increment", inc).Msg("hbone: WINDOW_UPDATE overflows the stream window, resetting stream")
@@ -716,14 +727,9 @@ func (c *h2conn) onWindowUpdate(f *http2.WindowUpdateFrame) error {
 
 func (c *h2conn) onRSTStream(f *http2.RSTStreamFrame) error {
 	c.mu.Lock()
-	s := c.streams[f.StreamID]
+	s, err := c.streamOrUnlock(f.StreamID, "RST_STREAM")
 	if s == nil {
-		idle := c.isIdleLocked(f.StreamID)
-		c.mu.Unlock()
-		if idle {
-			return connErrorf(http2.ErrCodeProtocol, "RST_STREAM on idle stream %d", f.StreamID)
-		}
-		return nil
+		return err
 	}
 	if !c.client && s.connecting {
 		if err := c.earlyResetLocked(); err != nil {
