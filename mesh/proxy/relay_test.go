@@ -5,6 +5,8 @@ import (
 	"errors"
 	"io"
 	"net"
+	"runtime"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -119,4 +121,122 @@ func relayAndWait(a, b net.Conn, onAB, onBA func(int)) relayResult {
 	ch := make(chan relayResult, 1)
 	startRelay(a, b, onAB, onBA, func(r relayResult) { ch <- r })
 	return <-ch
+}
+
+// memConn is an in-memory connection with a readiness callback, a
+// readNotifier like *stack.Conn: Read returns what feed gave it, Write
+// hands the bytes to out.
+type memConn struct {
+	net.Conn // not used by the relay; nil
+	mu       sync.Mutex
+	in       []byte
+	inEOF    bool
+	closed   bool
+	armed    func()
+	out      chan string
+}
+
+func newMemConn() *memConn { return &memConn{out: make(chan string, 16)} }
+
+// feed makes b (or, if nil, the end of the data) readable and fires an
+// armed callback from this goroutine, as the netstack would.
+func (c *memConn) feed(b []byte) {
+	c.mu.Lock()
+	if b == nil {
+		c.inEOF = true
+	}
+	c.in = append(c.in, b...)
+	f := c.armed
+	c.armed = nil
+	c.mu.Unlock()
+	if f != nil {
+		f()
+	}
+}
+
+func (c *memConn) WhenReadable(f func()) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if len(c.in) > 0 || c.inEOF || c.closed {
+		return true
+	}
+	c.armed = f
+	return false
+}
+
+func (c *memConn) Read(b []byte) (int, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	switch {
+	case c.closed:
+		return 0, net.ErrClosed
+	case len(c.in) > 0:
+		n := copy(b, c.in)
+		c.in = c.in[n:]
+		return n, nil
+	case c.inEOF:
+		return 0, io.EOF
+	}
+	return 0, errors.New("memConn: read while not readable")
+}
+
+func (c *memConn) Write(b []byte) (int, error) { c.out <- string(b); return len(b), nil }
+func (c *memConn) CloseWrite() error           { return nil }
+func (c *memConn) Close() error {
+	c.mu.Lock()
+	c.closed = true
+	f := c.armed
+	c.armed = nil
+	c.mu.Unlock()
+	if f != nil {
+		f()
+	}
+	return nil
+}
+
+// TestRelayIdleHoldsNoGoroutine: between messages, once the grace period
+// has passed, a relay between two readNotifier connections holds no
+// goroutine; the next message starts one and arrives; both ends' EOFs end
+// the relay with every byte counted.
+func TestRelayIdleHoldsNoGoroutine(t *testing.T) {
+	base := runtime.NumGoroutine()
+	a, b := newMemConn(), newMemConn()
+	res := make(chan relayResult, 1)
+	startRelay(a, b, nil, nil, func(r relayResult) { res <- r })
+	recv := func(c *memConn, want string) {
+		t.Helper()
+		select {
+		case got := <-c.out:
+			if got != want {
+				t.Fatalf("relayed %q, want %q", got, want)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatalf("%q not relayed", want)
+		}
+	}
+	a.feed([]byte("ping"))
+	recv(b, "ping")
+	b.feed([]byte("pong"))
+	recv(a, "pong")
+
+	deadline := time.Now().Add(10 * time.Second)
+	for runtime.NumGoroutine() > base {
+		if time.Now().After(deadline) {
+			t.Fatalf("idle relay still holds %d goroutines (%d before it started)", runtime.NumGoroutine(), base)
+		}
+		time.Sleep(time.Millisecond) // no signal: the goroutines end on their own grace-period clock
+	}
+
+	a.feed([]byte("again"))
+	recv(b, "again")
+	a.feed(nil)
+	b.feed(nil)
+	select {
+	case r := <-res:
+		if r.AToB != 9 || r.BToA != 4 || r.Reset {
+			t.Errorf("result %+v, want 9 bytes a→b, 4 b→a, no reset", r)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("relay did not end after both EOFs")
+	}
 }
