@@ -68,7 +68,7 @@ its own (no privilege on the machine itself is needed or gained).
 	case demo.StageDaemon:
 		ready := daemonReady()
 		defer ready.Close()
-		return demoHere(ctx, log, f, "root", demo.StateDir, ready)
+		return demoHere(ctx, log, f, "root", demo.StateDir(), ready)
 	}
 
 	rootErr := cluster.Preflight()
@@ -76,7 +76,7 @@ its own (no privilege on the machine itself is needed or gained).
 		if f.keep {
 			return startDaemon(ctx, args)
 		}
-		return demoHere(ctx, log, f, "root", demo.StateDir, nil)
+		return demoHere(ctx, log, f, "root", demo.StateDir(), nil)
 	}
 	if p := demo.RootlessProblems(); len(p) > 0 {
 		return fmt.Errorf("cannot build the demo cluster here.\n"+

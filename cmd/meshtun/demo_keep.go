@@ -29,7 +29,7 @@ func startDaemon(ctx context.Context, args []string) error {
 	} else if ok && k.Running() {
 		return fmt.Errorf("a demo cluster is already up (%s, pid %d); tear it down first: meshtun demo --down", k.Cluster, k.PID)
 	}
-	if err := os.MkdirAll(demo.StateDir, 0o755); err != nil {
+	if err := os.MkdirAll(demo.StateDir(), 0o755); err != nil {
 		return fmt.Errorf("demo: %w", err)
 	}
 	logf, err := os.OpenFile(demo.DaemonLog(), os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o644)

@@ -22,6 +22,10 @@ import (
 // nobody is the unprivileged user the rootless demo runs as.
 const nobody = 65534
 
+// demoStateDir is the demo's state directory for this test run
+// (MESHTUN_DEMO_STATE_DIR), set by TestDemo.
+var demoStateDir string
+
 // demoSummary is the part of `meshtun demo --json` the test reads.
 type demoSummary struct {
 	Mode       string   `json:"mode"`
@@ -56,6 +60,9 @@ func TestDemo(t *testing.T) {
 		t.Fatalf("TestDemo needs root: it runs the demo as uid %d and as root, and inspects /run/netns", nobody)
 	}
 	bin := publicCopy(t, meshtunBin)
+	// A state directory of the test's own: a demo the user keeps up
+	// (meshtun demo --keep) is neither seen nor torn down by this test.
+	demoStateDir = filepath.Join(t.TempDir(), "state")
 
 	t.Run("rootless", func(t *testing.T) {
 		requireUserNamespaces(t)
@@ -77,7 +84,11 @@ func TestDemo(t *testing.T) {
 		if err := json.Unmarshal(out, &s); err != nil {
 			t.Fatalf("meshtun demo --keep --json: %v\n%s", err, out)
 		}
-		t.Cleanup(func() { exec.Command(bin, "demo", "--down").Run() })
+		t.Cleanup(func() {
+			down := exec.Command(bin, "demo", "--down") // t.Context() is done by now
+			down.Env = demoEnv()
+			down.Run()
+		})
 		checkSummary(t, s, "root")
 		for _, ns := range s.Namespaces {
 			if _, err := os.Stat(filepath.Join("/run/netns", ns)); err != nil {
@@ -155,13 +166,20 @@ func requireUserNamespaces(t *testing.T) {
 func demoCommand(t *testing.T, bin string, asNobody bool, args ...string) *exec.Cmd {
 	cmd := exec.CommandContext(t.Context(), bin, append([]string{"demo"}, args...)...)
 	cmd.Dir = "/"
-	cmd.Env = []string{"PATH=/usr/local/bin:/usr/bin:/bin", "HOME=/", "TMPDIR=/tmp"}
+	cmd.Env = demoEnv()
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if asNobody {
 		cmd.SysProcAttr.Credential = &syscall.Credential{Uid: nobody, Gid: nobody}
 	}
 	cmd.WaitDelay = 10 * time.Second
 	return cmd
+}
+
+// demoEnv is the environment the demo runs in: minimal, with the test's
+// own state directory.
+func demoEnv() []string {
+	return []string{"PATH=/usr/local/bin:/usr/bin:/bin", "HOME=/", "TMPDIR=/tmp",
+		"MESHTUN_DEMO_STATE_DIR=" + demoStateDir}
 }
 
 // runDemoJSON runs `meshtun demo --json` and returns its summary.
@@ -328,8 +346,8 @@ func checkNothingLeft(t *testing.T, bin string, s demoSummary) {
 			t.Errorf("temporary directory %s is left (stat: %v)", filepath.Dir(s.Dir), err)
 		}
 	case "root":
-		if _, err := os.Stat("/run/meshtun-demo/kept.json"); !errors.Is(err, fs.ErrNotExist) {
-			t.Errorf("/run/meshtun-demo/kept.json is left (stat: %v)", err)
+		if _, err := os.Stat(filepath.Join(demoStateDir, "kept.json")); !errors.Is(err, fs.ErrNotExist) {
+			t.Errorf("%s/kept.json is left (stat: %v)", demoStateDir, err)
 		}
 	}
 }

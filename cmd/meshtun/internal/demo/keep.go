@@ -16,15 +16,29 @@ import (
 	"github.com/meshtun/meshtun/test/cluster"
 )
 
+// DefaultStateDir is where a demo run as root writes its files unless
+// StateDirEnv names another directory.
+const DefaultStateDir = "/run/meshtun-demo"
+
+// StateDirEnv, when set, names the state directory instead of
+// DefaultStateDir, so that a second demo (a test's, say) neither sees nor
+// tears down the one a user keeps.
+const StateDirEnv = "MESHTUN_DEMO_STATE_DIR"
+
 // StateDir is where a demo run as root writes its files: one directory
 // per run (config and logs), the kept demo's state and the daemon's log.
-const StateDir = "/run/meshtun-demo"
+func StateDir() string {
+	if d := os.Getenv(StateDirEnv); d != "" {
+		return d
+	}
+	return DefaultStateDir
+}
 
 // keptFile records the demo left up by `meshtun demo --keep`.
-func keptFile() string { return filepath.Join(StateDir, "kept.json") }
+func keptFile() string { return filepath.Join(StateDir(), "kept.json") }
 
 // DaemonLog is the log of the process holding a kept demo.
-func DaemonLog() string { return filepath.Join(StateDir, "daemon.log") }
+func DaemonLog() string { return filepath.Join(StateDir(), "daemon.log") }
 
 // Kept describes a demo left up by `meshtun demo --keep`.
 type Kept struct {
@@ -68,7 +82,7 @@ func ReadKept() (k Kept, ok bool, err error) {
 func ForgetKept() {
 	os.Remove(keptFile())
 	os.Remove(DaemonLog())
-	os.Remove(StateDir)
+	os.Remove(StateDir())
 }
 
 // Running reports whether the kept demo's process is still alive.
