@@ -134,6 +134,9 @@ type Workload struct {
 	// PeerAuthentication is STRICT or PERMISSIVE; the mesh default if
 	// empty.
 	PeerAuthentication string `yaml:"peerAuthentication"`
+	// ProbePorts are the ports the node's health probes reach the
+	// workload on: served from the node directly, even under STRICT.
+	ProbePorts []uint16 `yaml:"probePorts,port"`
 }
 
 // InMesh reports whether the workload is in the mesh (Mesh, default true).
@@ -304,7 +307,7 @@ func (c *Config) Snapshot() (*registry.Snapshot, error) {
 		w := &c.Workloads[i]
 		rw := &registry.Workload{
 			Name: w.Name, Namespace: w.Namespace, ServiceAccount: w.ServiceAccount, Node: w.Node,
-			Labels: w.Labels, InMesh: w.InMesh(),
+			Labels: w.Labels, InMesh: w.InMesh(), ProbePorts: w.ProbePorts,
 		}
 		for _, a := range w.Addresses {
 			rw.Addresses = append(rw.Addresses, a)

@@ -69,6 +69,9 @@ func TestMeshExample(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	if echo1 := s.Workload(netip.MustParseAddr("198.18.1.13")); !echo1.ProbePort(8081) || echo1.ProbePort(8080) {
+		t.Errorf("echo-1 probe ports %v, want [8081]", echo1.ProbePorts)
+	}
 	svc, port := s.Service(netip.MustParseAddrPort("198.18.100.1:80"))
 	if svc == nil || port.Target() != 8080 || svc.Hostname != "echo.default.svc.cluster.local" {
 		t.Fatalf("echo service: %v %+v", svc, port)
@@ -238,6 +241,8 @@ func TestErrors(t *testing.T) {
 			[]string{`t.yaml:3:59: services[0].ports[0].port: 70000 is not a port number (1-65535)`}},
 		{"port zero", wl + "services: [{name: s, vips: [198.18.100.1], ports: [{port: 80, targetPort: 0}], selector: {app: a}}]\n",
 			[]string{`t.yaml:3:75: services[0].ports[0].targetPort: 0 is not a port number (1-65535)`}},
+		{"probe port out of range", node + "workloads: [{name: a, node: n1, addresses: [198.18.1.11], probePorts: [8081, 0]}]\n",
+			[]string{`t.yaml:2:78: workloads[0].probePorts[1]: 0 is not a port number (1-65535)`}},
 		{"port word", wl + "services: [{name: s, vips: [198.18.100.1], ports: [{port: http}], selector: {app: a}}]\n",
 			[]string{`t.yaml:3:59: services[0].ports[0].port: "http" is not a port number (1-65535)`}},
 		{"bad cidr", wl + "authorizationPolicies: [{name: p, rules: [{from: [{ipBlocks: [10.0.0.0/33]}]}]}]\n",

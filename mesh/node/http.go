@@ -106,6 +106,7 @@ type workloadDump struct {
 	Labels             map[string]string `json:"labels,omitempty"`
 	InMesh             bool              `json:"mesh"`
 	PeerAuthentication string            `json:"peerAuthentication"`
+	ProbePorts         []uint16          `json:"probePorts,omitempty"`
 	Identity           string            `json:"identity,omitempty"`
 }
 
@@ -129,7 +130,8 @@ func (n *node) configDump(w http.ResponseWriter, r *http.Request) {
 		Policies: snap.Policies, Workloads: []workloadDump{}, Services: []serviceDump{}, Certificates: []certificateDump{}}
 	for _, wl := range snap.Workloads {
 		wd := workloadDump{Name: wl.Name, Namespace: wl.Namespace, ServiceAccount: wl.ServiceAccount, Node: wl.Node,
-			Addresses: wl.Addresses, Labels: wl.Labels, InMesh: wl.InMesh, PeerAuthentication: wl.PeerAuth.String()}
+			Addresses: wl.Addresses, Labels: wl.Labels, InMesh: wl.InMesh, PeerAuthentication: wl.PeerAuth.String(),
+			ProbePorts: wl.ProbePorts}
 		if wl.InMesh {
 			wd.Identity = wl.Identity.String()
 		}

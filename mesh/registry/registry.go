@@ -76,6 +76,10 @@ type Workload struct {
 	PeerAuth PeerAuth
 	// Health decides whether services pick the workload as an endpoint.
 	Health Health
+	// ProbePorts are the ports the workload serves health probes on: the
+	// node itself reaches them directly (not proxied, not authorized),
+	// even under STRICT. From anywhere else they are ordinary ports.
+	ProbePorts []uint16
 	// Identity is spiffe://<trust domain>/ns/<Namespace>/sa/<ServiceAccount>;
 	// filled in by NewSnapshot.
 	Identity spiffeid.ID
@@ -96,6 +100,16 @@ func (w *Workload) Addr(like netip.Addr) (netip.Addr, bool) {
 		}
 	}
 	return netip.Addr{}, false
+}
+
+// ProbePort reports whether port is one of the workload's ProbePorts.
+func (w *Workload) ProbePort(port uint16) bool {
+	for _, p := range w.ProbePorts {
+		if p == port {
+			return true
+		}
+	}
+	return false
 }
 
 // Policies returns the authorization policies that apply to the workload
