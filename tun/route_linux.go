@@ -6,6 +6,7 @@ import (
 	"net"
 	"net/netip"
 	"sync"
+	"syscall"
 
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
@@ -19,6 +20,11 @@ const (
 	// sits before the main table's rule (32766) and after the local table's
 	// (0), so locally addressed packets are never captured.
 	DefaultPriority = 0x6d74
+	// Mark is the socket mark (SO_MARK) of meshtun's own kernel sockets.
+	// A rule one priority before the capture rules sends packets with
+	// this mark to the main table, so that what meshtun itself sends to a
+	// captured pod (or anywhere) never loops back into the TUN.
+	Mark = 0x6d74
 )
 
 // RoutingConfig says which traffic is routed into the TUN device.
@@ -33,9 +39,11 @@ type RoutingConfig struct {
 	// PodPrefixes are the addresses (or ranges) of the captured pods.
 	// Every packet to one of them is routed into the TUN, from wherever it
 	// arrives ("ip rule add to <prefix> lookup <table>"), except packets
-	// the TUN itself hands back and packets the node sends (kubelet
-	// probes): two rules before it send those to the main table
-	// ("ip rule add iif <tun> lookup main", "iif lo lookup main").
+	// the TUN itself hands back and packets of meshtun's own sockets
+	// (marked with Mark): two rules before it send those to the main table
+	// ("ip rule add iif <tun> lookup main", "fwmark <Mark> lookup main").
+	// Everything else the node sends to a pod is captured: the node is
+	// not trusted more than any other host.
 	PodPrefixes []netip.Prefix
 }
 
@@ -43,7 +51,7 @@ type RoutingConfig struct {
 type Routing struct {
 	mu      sync.Mutex // Update and Close
 	cfg     RoutingConfig
-	exempt  []*netlink.Rule // iif <tun>, iif lo → main
+	exempt  []*netlink.Rule // iif <tun>, fwmark Mark → main
 	capture []*netlink.Rule // iif <pod link>, to <pod> → table
 	routes  []*netlink.Route
 	closed  bool
@@ -75,13 +83,17 @@ func InstallRouting(dev *Device, cfg RoutingConfig) (*Routing, error) {
 		r.routes = append(r.routes, rt)
 	}
 	// Exemptions first (one priority earlier): what the TUN writes back,
-	// and what the node itself sends.
-	for _, iif := range []string{dev.Name(), "lo"} {
+	// and what meshtun's own sockets send.
+	for _, byMark := range []bool{false, true} {
 		for _, family := range []int{unix.AF_INET, unix.AF_INET6} {
 			rule := newRule(cfg, family)
 			rule.Priority = cfg.Priority - 1
 			rule.Table = unix.RT_TABLE_MAIN
-			rule.IifName = iif
+			if byMark {
+				rule.Mark = Mark
+			} else {
+				rule.IifName = dev.Name()
+			}
 			if err := netlink.RuleAdd(rule); err != nil {
 				r.Close()
 				return nil, fmt.Errorf("tun: add rule %s: %w", rule, err)
@@ -248,4 +260,20 @@ func removeStale(table, priority int) error {
 func prefixToIPNet(p netip.Prefix) *net.IPNet {
 	p = p.Masked()
 	return &net.IPNet{IP: net.IP(p.Addr().AsSlice()), Mask: net.CIDRMask(p.Bits(), p.Addr().BitLen())}
+}
+
+// MarkSocket sets SO_MARK to Mark on a socket, so that the exemption rule
+// keeps its packets out of the TUN. It has the signature of
+// net.Dialer.Control and net.ListenConfig.Control; it needs CAP_NET_ADMIN.
+func MarkSocket(network, address string, c syscall.RawConn) error {
+	var serr error
+	if err := c.Control(func(fd uintptr) {
+		serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_MARK, Mark)
+	}); err != nil {
+		return err
+	}
+	if serr != nil {
+		return fmt.Errorf("tun: mark socket for %s %s: %w", network, address, serr)
+	}
+	return nil
 }

@@ -22,6 +22,10 @@ type sysctl struct{ key, old string }
 //     uplink and the TUN;
 //   - reverse-path filtering off on the TUN: packets written back into it
 //     carry other hosts' source addresses, whose routes point elsewhere;
+//   - accept_local on the TUN: what the node itself sends to a captured pod
+//     enters the TUN and, when it is not proxied, is written back with one
+//     of the node's own addresses as its source, which the kernel would
+//     otherwise drop as a martian;
 //   - net.ipv4.conf.all.rp_filter lowered from strict (1) to loose (2) if it
 //     was strict, because the kernel applies the larger of "all" and the
 //     device's value.
@@ -50,6 +54,7 @@ func SetSysctls(tunName string) (*Sysctls, error) {
 		{"net/ipv4/ip_forward", "1", nil},
 		{"net/ipv6/conf/all/forwarding", "1", nil},
 		{"net/ipv4/conf/" + tunName + "/rp_filter", "0", nil},
+		{"net/ipv4/conf/" + tunName + "/accept_local", "1", nil},
 		{"net/ipv4/conf/all/rp_filter", "2", func(old string) bool { return old == "1" }},
 	}
 	for _, st := range steps {
