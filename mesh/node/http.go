@@ -16,6 +16,7 @@ import (
 
 	"github.com/meshtun/meshtun/mesh/policy"
 	"github.com/meshtun/meshtun/mesh/registry"
+	"github.com/meshtun/meshtun/tun"
 )
 
 // serveHTTP starts the node's HTTP endpoints (admin, metrics, readiness)
@@ -40,7 +41,9 @@ func (n *node) serveHTTP(ctx context.Context) (stop func(), err error) {
 		if ep.addr == "" {
 			continue
 		}
-		ln, err := net.Listen("tcp", ep.addr)
+		// Marked, so that replies to pods bypass the TUN.
+		lc := net.ListenConfig{Control: tun.MarkSocket}
+		ln, err := lc.Listen(ctx, "tcp", ep.addr)
 		if err != nil {
 			stop()
 			return nil, fmt.Errorf("node: %s listener on %s: %w", ep.name, ep.addr, err)

@@ -8,6 +8,7 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"net"
 	"net/netip"
 	"sync/atomic"
 	"time"
@@ -125,7 +126,11 @@ func Run(ctx context.Context, cfg Config) (err error) {
 		}
 	}
 
+	// meshtun's own kernel sockets carry tun.Mark, which routes them
+	// around the TUN: the HBONE dials must not be captured again.
+	markedDialer := &net.Dialer{Control: tun.MarkSocket}
 	n.hc, err = hbone.NewClient(hbone.ClientConfig{
+		Dial: markedDialer.DialContext,
 		TLS: func(src, dst spiffeid.ID) (*tls.Config, error) {
 			return identity.ClientTLS(n.svids.Workload(src), dst), nil
 		},
@@ -167,7 +172,14 @@ func Run(ctx context.Context, cfg Config) (err error) {
 		}
 	}()
 
-	var policy classify.Policy = capturePolicy(n.reg, cfg.Name)
+	// The node's own addresses: a connection from one of them was opened
+	// by the node itself (the kernel drops packets from elsewhere that
+	// claim them).
+	nodeAddrs, err := tun.WatchLocalAddrs(runCtx, log)
+	if err != nil {
+		return err
+	}
+	var policy classify.Policy = capturePolicy(n.reg, cfg.Name, nodeAddrs.Contains)
 	if cfg.NoIntercept {
 		policy = nil
 	}
@@ -175,8 +187,9 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	go n.cls.Run(runCtx, 5*time.Second)
 
 	n.px, err = proxy.New(runCtx, proxy.Config{
-		Node: cfg.Name, Registry: n.reg, HBONE: n.hc, Metrics: n.metrics,
-		Logger: log, AccessLog: log.With().Str("log", "access").Logger(),
+		Node: cfg.Name, Registry: n.reg, HBONE: n.hc, Metrics: n.metrics, FromNode: nodeAddrs.Contains,
+		SocketControl: tun.MarkSocket,
+		Logger:        log, AccessLog: log.With().Str("log", "access").Logger(),
 	})
 	if err != nil {
 		return err
@@ -309,10 +322,12 @@ func (n *node) dataPlaneStats() metrics.DataPlaneStats {
 // capturePolicy selects the SYNs the netstack takes: connections opened by
 // a local mesh workload (outbound), HBONE to a local mesh workload
 // (inbound), and plaintext to a local mesh workload that STRICT mode or an
-// authorization policy protects (to be authorized, or refused). Everything
-// else stays verbatim: plaintext to an unprotected PERMISSIVE workload
-// reaches it directly.
-func capturePolicy(reg *registry.Registry, node string) classify.Policy {
+// authorization policy protects (to be authorized, or refused), also from
+// the node itself (fromNode: a source address of the node's own), except
+// to the workload's probe ports. Everything else stays verbatim:
+// plaintext to an unprotected PERMISSIVE workload reaches it directly, and
+// so do the node's probes.
+func capturePolicy(reg *registry.Registry, node string, fromNode func(netip.Addr) bool) classify.Policy {
 	return classify.PolicyFunc(func(src, dst netip.AddrPort) bool {
 		s := reg.Load()
 		if w := s.Workload(src.Addr()); w != nil && w.InMesh && w.Node == node {
@@ -321,6 +336,9 @@ func capturePolicy(reg *registry.Registry, node string) classify.Policy {
 		if w := s.Workload(dst.Addr()); w != nil && w.InMesh && w.Node == node {
 			if dst.Port() == hbone.Port {
 				return true
+			}
+			if w.ProbePort(dst.Port()) && fromNode(src.Addr()) {
+				return false
 			}
 			deny, allow, strict := w.Policies()
 			return strict || len(deny) > 0 || len(allow) > 0

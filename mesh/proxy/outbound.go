@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"context"
+	"net"
 	"net/netip"
 
 	"github.com/meshtun/meshtun/mesh/registry"
@@ -51,17 +52,28 @@ func (p *Proxy) sameNode(snap *registry.Snapshot, req *stack.TCPRequest, rec *re
 // deliver connects an authorized connection to a local workload through
 // the netstack from the client's address (a fresh port: the original
 // 4-tuple is the client leg's own), completes the client's handshake and
-// relays.
+// relays. A connection from the node itself is delivered from a kernel
+// socket bound to the node's address instead: the workload's replies to a
+// local address are delivered by the node's kernel and never reach the
+// TUN, so a netstack dial from it could not complete.
 func (p *Proxy) deliver(req *stack.TCPRequest, rec *record, az *authorized, target netip.AddrPort) {
-	ns := p.netstack()
-	if ns == nil {
-		req.Reject()
-		rec.refused(errNotReady)
-		return
+	var up net.Conn
+	var err error
+	if p.fromNode(req.Src.Addr()) {
+		d := p.dialer
+		d.LocalAddr = net.TCPAddrFromAddrPort(netip.AddrPortFrom(req.Src.Addr(), 0))
+		up, err = d.DialContext(p.ctx, "tcp", target.String())
+	} else {
+		ns := p.netstack()
+		if ns == nil {
+			req.Reject()
+			rec.refused(errNotReady)
+			return
+		}
+		ctx, cancel := context.WithTimeout(p.ctx, p.cfg.ConnectTimeout)
+		up, err = ns.DialTCP(ctx, netip.AddrPortFrom(req.Src.Addr(), 0), target)
+		cancel()
 	}
-	ctx, cancel := context.WithTimeout(p.ctx, p.cfg.ConnectTimeout)
-	up, err := ns.DialTCP(ctx, netip.AddrPortFrom(req.Src.Addr(), 0), target)
-	cancel()
 	if err != nil {
 		req.Reject()
 		rec.refused(err)

@@ -61,6 +61,14 @@ type Config struct {
 	// info level: raise its level to turn the access log off).
 	Logger, AccessLog zerolog.Logger
 	ConnectTimeout    time.Duration // 0: DefaultConnectTimeout
+	// FromNode reports whether an address is one of the node's own: a
+	// connection from it was opened by the node itself, and is delivered
+	// to the workload from a kernel socket (the workload's replies to the
+	// node's address never cross the TUN). Nil: no address is.
+	FromNode func(netip.Addr) bool
+	// SocketControl, if set, is applied to every kernel socket the proxy
+	// opens (tun.MarkSocket: so that it is not captured again).
+	SocketControl func(network, address string, c syscall.RawConn) error
 }
 
 // Proxy handles intercepted TCP connections.
@@ -89,7 +97,7 @@ func New(ctx context.Context, cfg Config) (*Proxy, error) {
 		cfg:    cfg,
 		log:    cfg.Logger,
 		access: cfg.AccessLog,
-		dialer: net.Dialer{Timeout: cfg.ConnectTimeout},
+		dialer: net.Dialer{Timeout: cfg.ConnectTimeout, Control: cfg.SocketControl},
 		ctx:    ctx,
 	}, nil
 }
@@ -182,6 +190,11 @@ func (p *Proxy) passthrough(rec *record, req *stack.TCPRequest, target netip.Add
 		return
 	}
 	p.relayAccepted(rec, req, up, nil)
+}
+
+// fromNode reports whether a is one of the node's own addresses.
+func (p *Proxy) fromNode(a netip.Addr) bool {
+	return p.cfg.FromNode != nil && p.cfg.FromNode(a)
 }
 
 // relayAccepted completes the client's handshake and starts the relay

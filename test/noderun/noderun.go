@@ -61,6 +61,8 @@ type Pod struct {
 	Strict bool
 	// Labels of the workload.
 	Labels map[string]string
+	// ProbePorts are the ports the node's probes reach directly.
+	ProbePorts []uint16
 }
 
 // Mesh describes the mesh of a cluster for WriteConfig.
@@ -100,6 +102,16 @@ func WriteConfig(c *cluster.Cluster, dir string, m Mesh) (string, error) {
 			}
 			if o.Strict {
 				b.WriteString(", peerAuthentication: STRICT")
+			}
+			if len(o.ProbePorts) > 0 {
+				b.WriteString(", probePorts: [")
+				for i, port := range o.ProbePorts {
+					if i > 0 {
+						b.WriteString(", ")
+					}
+					fmt.Fprintf(&b, "%d", port)
+				}
+				b.WriteString("]")
 			}
 			if len(o.Labels) > 0 {
 				keys := make([]string, 0, len(o.Labels))

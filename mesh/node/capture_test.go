@@ -1,0 +1,49 @@
+package node
+
+import (
+	"net/netip"
+	"testing"
+
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+
+	"github.com/meshtun/meshtun/mesh/registry"
+)
+
+// TestCapturePolicyNode: what the node itself sends to a local workload is
+// captured like plaintext from any other host (STRICT and policy-protected
+// workloads), except to the workload's probe ports, which only the node
+// reaches directly.
+func TestCapturePolicyNode(t *testing.T) {
+	a := netip.MustParseAddr
+	snap, err := registry.NewSnapshot(spiffeid.RequireTrustDomainFromString("cluster.local"), []*registry.Workload{
+		{Name: "strict", Namespace: "default", Node: "n1", InMesh: true, PeerAuth: registry.Strict,
+			Addresses: []netip.Addr{a("198.18.1.11"), a("fd00:6d74:1::11")}, ProbePorts: []uint16{8081}},
+		{Name: "open", Namespace: "default", Node: "n1", InMesh: true, Addresses: []netip.Addr{a("198.18.1.12")}, ProbePorts: []uint16{8081}},
+		{Name: "remote", Namespace: "default", Node: "n2", InMesh: true, PeerAuth: registry.Strict, Addresses: []netip.Addr{a("198.18.2.11")}},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	nodeAddrs := map[netip.Addr]bool{a("198.18.0.11"): true, a("198.18.1.1"): true, a("fd00:6d74:1::1"): true}
+	p := capturePolicy(registry.New(snap), "n1", func(x netip.Addr) bool { return nodeAddrs[x] })
+	ap := netip.MustParseAddrPort
+	for _, tc := range []struct {
+		src, dst string
+		want     bool
+	}{
+		{"198.18.0.11:40000", "198.18.1.11:8080", true}, // node → STRICT: authorized (refused)
+		{"198.18.1.1:40000", "198.18.1.11:8080", true},  // from the node's pod-link address too
+		{"198.18.1.1:40000", "198.18.1.11:8081", false}, // node → probe port: direct
+		{"[fd00:6d74:1::1]:40000", "[fd00:6d74:1::11]:8081", false},
+		{"[fd00:6d74:1::1]:40000", "[fd00:6d74:1::11]:8080", true},
+		{"198.18.0.99:40000", "198.18.1.11:8081", true},  // another host → probe port: STRICT applies
+		{"198.18.0.11:40000", "198.18.1.11:15008", true}, // HBONE is always taken
+		{"198.18.0.11:40000", "198.18.1.12:8080", false}, // node → unprotected PERMISSIVE: direct
+		{"198.18.0.11:40000", "198.18.2.11:8080", false}, // not this node's workload
+		{"198.18.1.12:40000", "198.18.0.11:8081", true},  // a local mesh workload's own connection
+	} {
+		if got := p.InterceptTCP(ap(tc.src), ap(tc.dst)); got != tc.want {
+			t.Errorf("%s → %s: intercept %v, want %v", tc.src, tc.dst, got, tc.want)
+		}
+	}
+}
