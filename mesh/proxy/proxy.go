@@ -12,8 +12,8 @@
 //     workload from the original client's address through the netstack;
 //   - plaintext to a local workload that STRICT mode or a policy protects:
 //     authorized without an identity (refused under STRICT);
-//   - anything else: passthrough to the original destination over a
-//     kernel socket.
+//   - anything else: passthrough to the original destination, dialled
+//     through the netstack from the pod's own address and port.
 //
 // Every finished or refused connection is logged once, with ztunnel's
 // access-log fields, and counted in Istio's TCP metrics.
@@ -145,7 +145,7 @@ func (p *Proxy) HandleTCP(req *stack.TCPRequest) {
 		// mode or a policy protects (the others are not intercepted).
 		p.inboundPlain(snap, req, src, dst)
 	default:
-		p.passthrough(p.newRecord(req.Src, req.Dst, src, dst, "outbound", "passthrough"), req, req.Dst)
+		p.passthrough(p.newRecord(req.Src, req.Dst, src, dst, "outbound", "passthrough"), req, req.Dst, false)
 	}
 }
 
@@ -174,16 +174,31 @@ func (p *Proxy) outboundFrom(snap *registry.Snapshot, req *stack.TCPRequest, src
 	case dst != nil && dst.InMesh && p.cfg.HBONE != nil:
 		p.outbound(req, p.newRecord(req.Src, req.Dst, src, dst, "outbound", "hbone").via(target, host), target)
 	default:
-		p.passthrough(p.newRecord(req.Src, req.Dst, src, dst, "outbound", "passthrough").via(target, host), req, target)
+		p.passthrough(p.newRecord(req.Src, req.Dst, src, dst, "outbound", "passthrough").via(target, host), req, target, true)
 	}
 }
 
 // passthrough connects to the original destination (or the chosen service
-// endpoint) with a kernel socket first, and only then completes the
-// client's handshake, so that a refused or unreachable destination looks
-// to the client as it would without meshtun: a reset.
-func (p *Proxy) passthrough(rec *record, req *stack.TCPRequest, target netip.AddrPort) {
-	up, err := p.dialer.DialContext(p.ctx, "tcp", target.String())
+// endpoint) first, and only then completes the client's handshake, so that
+// a refused or unreachable destination looks to the client as it would
+// without meshtun: a reset. For a local pod (fromPod) it dials through the
+// netstack from the pod's own address and port, so the destination sees
+// the pod as it would without meshtun (its replies to the pod's address
+// are captured back into the TUN); anything else is dialled from the node
+// with a kernel socket.
+func (p *Proxy) passthrough(rec *record, req *stack.TCPRequest, target netip.AddrPort, fromPod bool) {
+	var up net.Conn
+	var err error
+	if ns := p.netstack(); fromPod && ns != nil {
+		ctx, cancel := context.WithTimeout(p.ctx, p.cfg.ConnectTimeout)
+		up, err = ns.DialTCP(ctx, req.Src, target)
+		if err != nil && errors.Is(err, syscall.EADDRINUSE) {
+			up, err = ns.DialTCP(ctx, netip.AddrPortFrom(req.Src.Addr(), 0), target)
+		}
+		cancel()
+	} else {
+		up, err = p.dialer.DialContext(p.ctx, "tcp", target.String())
+	}
 	if err != nil {
 		req.Reject()
 		rec.refused(err)

@@ -20,7 +20,8 @@ import (
 // treated like plaintext from outside the mesh: refused by a STRICT
 // workload and by an ALLOW policy that names identities, admitted where a
 // policy allows the node's address, and served directly on the ports a
-// workload declares for probes.
+// workload declares for probes. And a passthrough destination sees the
+// pod's own address and port, not the node's.
 //
 //	n1p1 STRICT, probe port 7101
 //	n1p2 PERMISSIVE, ALLOW from n1p3's identity, or from the node's
@@ -130,6 +131,18 @@ func TestNodeTrafficIsAuthorized(t *testing.T) {
 			}
 			cl.Close()
 			wantFields(t, accessLog(t, mt, cl, "connection complete"), "route", "plaintext", "direction", "inbound")
+		}
+	})
+	t.Run("passthrough destination sees the pod's own address and port", func(t *testing.T) {
+		s := serve(t, ext, 7105, exchangeServer(4<<20))
+		for _, a := range []netip.Addr{ext.IPv4, ext.IPv6} {
+			cl := dial(t, client.NS, a, 7105)
+			exchange(t, cl, 4<<20)
+			if peer, local := s.peer(t), localAddr(cl); peer != local {
+				t.Fatalf("external host saw %s, want the pod's own %s", peer, local)
+			}
+			cl.Close()
+			wantFields(t, accessLog(t, mt, cl, "connection complete"), "route", "passthrough")
 		}
 	})
 }

@@ -134,13 +134,16 @@ func TestDataPath(t *testing.T) {
 		in := accessLog(t, m2, client, "connection complete")
 		wantFields(t, in, "route", "hbone", "direction", "inbound", "src.identity", id(srcPod))
 	}
-	// passthrough asserts that a connection went through node 1's proxy
-	// to a destination outside the mesh: the server saw node 1's address.
-	passthrough := func(t *testing.T, s *server, client net.Conn, wantPeer netip.Addr) {
+	// passthrough asserts that a connection went through node m's proxy
+	// to a destination outside the mesh (its access log says so) and that
+	// the destination saw the pod's own address and port.
+	passthrough := func(t *testing.T, m nodeProc, s *server, client net.Conn) {
 		t.Helper()
-		if peer := s.peer(t); peer.Addr() != wantPeer {
-			t.Fatalf("server saw peer %s, want a connection from %s (the proxy's kernel socket)", peer, wantPeer)
+		if peer, local := s.peer(t), localAddr(client); peer != local {
+			t.Fatalf("server saw peer %s, want the pod's own %s", peer, local)
 		}
+		client.Close()
+		wantFields(t, accessLog(t, m, client, "connection complete"), "route", "passthrough")
 	}
 
 	t.Run("mesh TCP cross-node 64MiB both ways", func(t *testing.T) {
@@ -316,15 +319,13 @@ func TestDataPath(t *testing.T) {
 		s := serve(t, p22, 7013, exchangeServer(4<<20))
 		cl := dial(t, p11.NS, p22.IPv4, 7013)
 		exchange(t, cl, 4<<20)
-		passthrough(t, s, cl, n1.IPv4)
-		cl.Close()
-		wantFields(t, accessLog(t, m1, cl, "connection complete"), "route", "passthrough")
+		passthrough(t, m1, s, cl)
 	})
 	t.Run("pod to external host", func(t *testing.T) {
 		s := serve(t, ext, 7008, exchangeServer(4<<20))
 		cl := dial(t, p11.NS, ext.IPv4, 7008)
 		exchange(t, cl, 4<<20)
-		passthrough(t, s, cl, n1.IPv4)
+		passthrough(t, m1, s, cl)
 	})
 	t.Run("plaintext from outside the mesh to a PERMISSIVE workload", func(t *testing.T) {
 		s := serve(t, p21, 7014, func(c net.Conn) { io.Copy(c, c) })
@@ -424,7 +425,7 @@ func TestDataPath(t *testing.T) {
 		s := serve(t, ext, 7010, exchangeServer(1<<20))
 		cl := dial(t, p11.NS, ext.IPv4, 7010)
 		exchange(t, cl, 1<<20)
-		passthrough(t, s, cl, n1.IPv4)
+		passthrough(t, r, s, cl)
 		if err := r.stop(syscall.SIGTERM); err != nil {
 			t.Fatalf("meshtun exit: %v", err)
 		}
