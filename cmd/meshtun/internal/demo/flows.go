@@ -16,7 +16,7 @@ import (
 // RouteVerbatim for flows no node logged (forwarded packet by packet).
 const (
 	RouteVerbatim    = "verbatim"
-	RoutePassthrough = "passthrough" // plain TCP from the node
+	RoutePassthrough = "passthrough" // plain TCP from the pod's own address, through the proxy
 	RouteHBONE       = "hbone"       // mTLS tunnel to the destination's node
 	RouteLocal       = "local"       // between mesh pods of the same node
 	RoutePlaintext   = "plaintext"   // plaintext to a workload its node protects (STRICT, policy)
