@@ -144,5 +144,14 @@ func TestNodeTrafficIsAuthorized(t *testing.T) {
 			cl.Close()
 			wantFields(t, accessLog(t, mt, cl, "connection complete"), "route", "passthrough")
 		}
+		// A closed port is refused as it would be without meshtun.
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if cl, err := client.Dial(ctx, "tcp", netip.AddrPortFrom(ext.IPv4, 7106).String()); !errors.Is(err, syscall.ECONNREFUSED) {
+			if err == nil {
+				cl.Close()
+			}
+			t.Fatalf("pod → a closed port of the external host: %v, want connection refused", err)
+		}
 	})
 }

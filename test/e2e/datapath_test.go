@@ -321,6 +321,12 @@ func TestDataPath(t *testing.T) {
 		exchange(t, cl, 4<<20)
 		passthrough(t, m1, s, cl)
 	})
+	t.Run("passthrough to a pod outside the mesh on the same node", func(t *testing.T) {
+		s := serve(t, mc.p13, 7016, exchangeServer(4<<20))
+		cl := dial(t, p11.NS, mc.p13.IPv4, 7016)
+		exchange(t, cl, 4<<20)
+		passthrough(t, m1, s, cl)
+	})
 	t.Run("pod to external host", func(t *testing.T) {
 		s := serve(t, ext, 7008, exchangeServer(4<<20))
 		cl := dial(t, p11.NS, ext.IPv4, 7008)
