@@ -133,6 +133,16 @@ func TestNodeTrafficIsAuthorized(t *testing.T) {
 			wantFields(t, accessLog(t, mt, cl, "connection complete"), "route", "plaintext", "direction", "inbound")
 		}
 	})
+	t.Run("a pod reaches a server of the node (its replies cross the TUN verbatim)", func(t *testing.T) {
+		s := serve(t, n1.NS, 7107, echoSrv)
+		for _, a := range []netip.Addr{n1.Gateway4, n1.Gateway6} {
+			cl := dial(t, client.NS, a, 7107)
+			echo(t, cl)
+			if peer, local := s.peer(t), localAddr(cl); peer != local {
+				t.Fatalf("node saw %s, want the pod's own %s", peer, local)
+			}
+		}
+	})
 	t.Run("passthrough destination sees the pod's own address and port", func(t *testing.T) {
 		s := serve(t, ext, 7105, exchangeServer(4<<20))
 		for _, a := range []netip.Addr{ext.IPv4, ext.IPv6} {
