@@ -3,6 +3,7 @@ package report
 import (
 	"bytes"
 	"encoding/xml"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -61,8 +62,8 @@ func TestJSONRoundTrip(t *testing.T) {
 	if v.Median != 2.5 || v.Min != 2 || v.Max != 3 || len(v.Samples) != 3 {
 		t.Errorf("mesh tcp_up_1 after round trip: %+v", v)
 	}
-	if got.Peer() != "peer" || !got.Started.Equal(r.Started) || len(got.Errors) != 1 {
-		t.Errorf("round trip lost fields: peer %q started %v errors %v", got.Peer(), got.Started, got.Errors)
+	if fmt.Sprint(got.Peers()) != "[peer]" || !got.Started.Equal(r.Started) || len(got.Errors) != 1 {
+		t.Errorf("round trip lost fields: peers %q started %v errors %v", got.Peers(), got.Started, got.Errors)
 	}
 	if _, err := ReadJSON(strings.NewReader("{")); err == nil {
 		t.Error("ReadJSON of truncated input: no error")
@@ -192,7 +193,7 @@ func TestSVGIsWellFormedWithOneBarPerValue(t *testing.T) {
 	// The peer keeps its own colour.
 	peerBar := false
 	for _, rc := range doc.Rects {
-		if strings.HasPrefix(rc.Title, "peer ") && rc.Fill == peerColour {
+		if strings.HasPrefix(rc.Title, "peer ") && rc.Fill == peerPalette[0] {
 			peerBar = true
 		}
 	}
@@ -298,5 +299,152 @@ func TestTableComparesEachVariantWithItsPath(t *testing.T) {
 	WriteTable(&buf, sample())
 	if strings.Contains(buf.String(), "B vs A") {
 		t.Errorf("B vs A row without a variant:\n%s", buf.String())
+	}
+}
+
+// twoPeers is sample with a second peer, "peer2", measured on every
+// metric the first one is.
+func twoPeers() *Result {
+	r := sample()
+	r.Paths = append(r.Paths, Path{Name: "peer2", Description: "yet another", Peer: true, Proxies: []string{"p2 n11", "p2 n12"}})
+	r.Metrics[0].Values["peer2"] = NewValue([]float64{5})
+	r.Metrics[1].Values["peer"] = NewValue([]float64{70})
+	r.Metrics[1].Values["peer2"] = NewValue([]float64{200})
+	return r
+}
+
+func TestTableComparesWithEveryPeer(t *testing.T) {
+	r := twoPeers()
+	if got := fmt.Sprint(r.Peers()); got != "[peer peer2]" {
+		t.Fatalf("Peers() = %s", got)
+	}
+	var buf bytes.Buffer
+	if err := WriteTable(&buf, r); err != nil {
+		t.Fatal(err)
+	}
+	out := buf.String()
+	lines := strings.Split(out, "\n")
+	// Cells by column: the header's column starts, in runes.
+	var starts []int
+	for _, name := range []string{"direct", "mesh", "peer", "peer2"} {
+		i := strings.Index(lines[0], "  "+name)
+		if i < 0 {
+			t.Fatalf("header lacks %s: %q", name, lines[0])
+		}
+		starts = append(starts, len([]rune(lines[0][:i]))+2)
+	}
+	cellAt := func(line string, col int) string {
+		rs := []rune(line)
+		if starts[col] >= len(rs) {
+			return ""
+		}
+		end := len(rs)
+		if col+1 < len(starts) {
+			end = min(end, starts[col+1])
+		}
+		return strings.TrimSpace(string(rs[starts[col]:end]))
+	}
+	rows := map[string][]string{} // "metric|vs ref" → the row's lines
+	metric := ""
+	for _, l := range lines[2:] {
+		switch {
+		case strings.HasPrefix(l, "  vs "):
+			ref := strings.TrimSpace(string([]rune(l)[:starts[0]]))
+			rows[metric+"|"+ref] = append(rows[metric+"|"+ref], l)
+		case l != "" && !strings.HasPrefix(l, " "):
+			metric, _, _ = strings.Cut(l, " [")
+		}
+	}
+	const tcp, rr = "TCP up, 1 stream", "request/response p50"
+	for _, k := range []string{tcp + "|vs direct", tcp + "|vs peer", tcp + "|vs peer2", rr + "|vs peer", rr + "|vs peer2"} {
+		if len(rows[k]) != 1 {
+			t.Errorf("%s: %d rows, want 1:\n%s", k, len(rows[k]), out)
+		}
+	}
+	if t.Failed() {
+		return
+	}
+	for _, c := range []struct {
+		row  string
+		col  int
+		want string
+	}{
+		{tcp + "|vs peer", 1, "×2.50"},        // mesh 2.5 ÷ peer 1
+		{tcp + "|vs peer2", 1, "×0.5"},        // mesh 2.5 ÷ peer2 5
+		{tcp + "|vs peer", 3, ""},             // peers are not compared with one another
+		{tcp + "|vs peer2", 2, ""},            // nor the other way round
+		{tcp + "|vs direct", 3, "×0.455"},     // but each with the baseline: 5 ÷ 11
+		{rr + "|vs peer2", 1, "−100µs ×0.5"},  // mesh 100 vs peer2 200
+		{rr + "|vs peer", 1, "+30.0µs ×1.43"}, // mesh 100 vs peer 70
+	} {
+		if got := cellAt(rows[c.row][0], c.col); got != c.want {
+			t.Errorf("%s, column %d: %q, want %q\n%s", c.row, c.col, got, c.want, out)
+		}
+	}
+}
+
+func TestSVGGivesEachPeerItsColourAndKeepsTheLegendInside(t *testing.T) {
+	r := twoPeers()
+	// Long names, in a one-metric chart (the narrowest): the legend must
+	// wrap rather than run off the picture.
+	for i := range r.Paths {
+		r.Paths[i].Name = strings.Repeat(r.Paths[i].Name, 3)
+	}
+	m := Metric{ID: "x", Title: "x", Unit: "Gbit/s", Better: Higher, Chart: "one", Values: map[string]Value{}}
+	for _, p := range r.Paths {
+		m.Values[p.Name] = NewValue([]float64{1})
+	}
+	r.Metrics = []Metric{m}
+	cs, _ := Charts(r)
+	var buf bytes.Buffer
+	if err := WriteSVG(&buf, r, cs[0]); err != nil {
+		t.Fatal(err)
+	}
+	var doc struct {
+		Width int `xml:"width,attr"`
+		Rects []struct {
+			X     float64 `xml:"x,attr"`
+			Y     float64 `xml:"y,attr"`
+			Fill  string  `xml:"fill,attr"`
+			Title string  `xml:"title"`
+		} `xml:"rect"`
+		Texts []struct {
+			X    float64 `xml:"x,attr"`
+			Text string  `xml:",chardata"`
+		} `xml:"text"`
+	}
+	if err := xml.Unmarshal(buf.Bytes(), &doc); err != nil {
+		t.Fatal(err)
+	}
+	fills := map[string]string{}
+	for _, rc := range doc.Rects {
+		if name, _, ok := strings.Cut(rc.Title, " x: "); ok {
+			fills[name] = rc.Fill
+		}
+	}
+	peer, peer2 := r.Paths[2].Name, r.Paths[3].Name
+	if fills[peer] != peerPalette[0] || fills[peer2] != peerPalette[1] {
+		t.Errorf("peer colours %q and %q, want %q and %q", fills[peer], fills[peer2], peerPalette[0], peerPalette[1])
+	}
+	if fills[r.Paths[1].Name] != palette[1] {
+		t.Errorf("mesh colour %q, want %q (peers do not shift the others)", fills[r.Paths[1].Name], palette[1])
+	}
+	lines := map[float64]bool{}
+	for _, tx := range doc.Texts {
+		for _, p := range r.Paths {
+			if tx.Text == p.Name {
+				if end := tx.X + float64(7*len(p.Name)); end > float64(doc.Width) {
+					t.Errorf("legend entry %q ends at %v, past the width %d", p.Name, end, doc.Width)
+				}
+			}
+		}
+	}
+	for _, rc := range doc.Rects {
+		if rc.Title == "" && rc.Fill != "white" {
+			lines[rc.Y] = true
+		}
+	}
+	if len(lines) < 2 {
+		t.Errorf("legend on %d line(s), want it wrapped", len(lines))
 	}
 }

@@ -1,6 +1,6 @@
 // Package report holds the results of a benchmark run and writes them for
 // people and machines: a terminal table with each path's ratio to the
-// baseline and to the peer, a JSON document, and SVG bar charts.
+// baseline and to each peer, a JSON document, and SVG bar charts.
 package report
 
 import (
@@ -59,8 +59,8 @@ type Host struct {
 type Path struct {
 	Name        string `json:"name"`
 	Description string `json:"description"`
-	// Peer marks the other project's path, the second reference of the
-	// ratios.
+	// Peer marks a path of another project: each peer is a reference of
+	// the ratios of meshtun's paths.
 	Peer bool `json:"peer,omitempty"`
 	// VariantOf is set on the B path of an A/B comparison: the name of the
 	// A path it is compared with.
@@ -119,14 +119,16 @@ func (r *Result) Metric(id string) *Metric {
 	return nil
 }
 
-// Peer returns the name of the peer path, "" if none was measured.
-func (r *Result) Peer() string {
+// Peers returns the names of the peer paths, in display order; none if
+// no peer was measured.
+func (r *Result) Peers() []string {
+	var out []string
 	for _, p := range r.Paths {
 		if p.Peer {
-			return p.Name
+			out = append(out, p.Name)
 		}
 	}
-	return ""
+	return out
 }
 
 // Ratio returns the median of path over the median of ref for metric m,

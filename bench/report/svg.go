@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"unicode/utf8"
 )
 
 // Chart is a group of metrics drawn as one grouped bar chart: one group of
@@ -69,10 +70,28 @@ func slug(s string) string {
 	return b.String()
 }
 
-// palette colours the paths in order; the peer always gets peerColour.
-var palette = []string{"#6b6b6b", "#4e79a7", "#59a14f", "#e15759", "#b07aa1", "#76b7b2", "#edc948"}
+// palette colours the paths that are not peers, in order; the peers take
+// peerPalette's warm colours, in order.
+var (
+	palette     = []string{"#6b6b6b", "#4e79a7", "#59a14f", "#e15759", "#b07aa1", "#76b7b2", "#edc948"}
+	peerPalette = []string{"#f28e2b", "#9c755f", "#ff9da7", "#bab0ac"}
+)
 
-const peerColour = "#f28e2b"
+// colours returns the colour of each of paths.
+func colours(paths []Path) []string {
+	out := make([]string, len(paths))
+	ours, peers := 0, 0
+	for i, p := range paths {
+		if p.Peer {
+			out[i] = peerPalette[peers%len(peerPalette)]
+			peers++
+		} else {
+			out[i] = palette[ours%len(palette)]
+			ours++
+		}
+	}
+	return out
+}
 
 // Chart geometry, in SVG user units (pixels).
 const (
@@ -83,12 +102,16 @@ const (
 	marginTop = 56
 	plotH     = 240
 	marginBot = 96
+	// legendLine is the height of a line of the legend, which starts 48
+	// below the plot: two lines fit in the bottom margin.
+	legendLine = 18
 )
 
 // WriteSVG draws chart c of r: bars at each path's median, a whisker from
 // minimum to maximum, the median written above each bar.
 func WriteSVG(w io.Writer, r *Result, c Chart) error {
 	paths := r.Paths
+	cols := colours(paths)
 	groupW := len(paths)*barW + groupGap
 	width := max(marginL+len(c.Metrics)*groupW+marginR, 480)
 	height := marginTop + plotH + marginBot
@@ -130,10 +153,7 @@ func WriteSVG(w io.Writer, r *Result, c Chart) error {
 		x0 := marginL + gi*groupW + groupGap/2
 		for pi, p := range paths {
 			x := float64(x0 + pi*barW)
-			colour := palette[pi%len(palette)]
-			if p.Peer {
-				colour = peerColour
-			}
+			colour := cols[pi]
 			v, ok := m.Values[p.Name]
 			if !ok || v.N == 0 {
 				fmt.Fprintf(&b, `<text x="%.1f" y="%.1f" text-anchor="middle" fill="#999">n/a</text>`+"\n", x+barW/2, y(0)-4)
@@ -160,13 +180,14 @@ func WriteSVG(w io.Writer, r *Result, c Chart) error {
 	// Legend.
 	lx, ly := marginL, marginTop+plotH+48
 	for pi, p := range paths {
-		colour := palette[pi%len(palette)]
-		if p.Peer {
-			colour = peerColour
+		colour := cols[pi]
+		w := 30 + 7*utf8.RuneCountInString(p.Name)
+		if lx > marginL && lx+w > width-marginR {
+			lx, ly = marginL, ly+legendLine // wrap onto a new line
 		}
 		fmt.Fprintf(&b, `<rect x="%d" y="%d" width="12" height="12" fill="%s"/><text x="%d" y="%d">%s</text>`+"\n",
 			lx, ly, colour, lx+16, ly+10, esc(p.Name))
-		lx += 30 + 7*len(p.Name)
+		lx += w
 	}
 	b.WriteString("</svg>\n")
 	_, err := io.WriteString(w, b.String())

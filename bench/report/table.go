@@ -10,13 +10,17 @@ import (
 
 // WriteTable writes r as a text table: one row per metric with each path's
 // median and (min–max) range, and under it each path's ratio to the
-// baseline and to the peer (value ÷ reference; for latencies the added
-// time too; none for percentages such as loss, whose ratios mean
-// nothing). A variant path (the B of an A/B comparison) also gets its
+// baseline, then the ratio of each path that is not a peer to each peer
+// (value ÷ reference; for latencies the added time too; none for
+// percentages such as loss, whose ratios mean nothing). A variant path (the B of an A/B comparison) also gets its
 // ratio to its A path, on a row of its own. Paths are columns, in r.Paths
 // order.
 func WriteTable(w io.Writer, r *Result) error {
-	peer := r.Peer()
+	peers := r.Peers()
+	isPeer := map[string]bool{}
+	for _, p := range peers {
+		isPeer[p] = true
+	}
 	header := []string{"metric"}
 	for _, p := range r.Paths {
 		header = append(header, p.Name)
@@ -29,7 +33,7 @@ func WriteTable(w io.Writer, r *Result) error {
 			row = append(row, cell(m.Values[p.Name]))
 		}
 		rows = append(rows, row)
-		for _, ref := range []string{r.Baseline, peer} {
+		for _, ref := range append([]string{r.Baseline}, peers...) {
 			if ref == "" || m.Unit == "%" {
 				continue
 			}
@@ -37,7 +41,9 @@ func WriteTable(w io.Writer, r *Result) error {
 			any := false
 			for _, p := range r.Paths {
 				s := ""
-				if p.Name != ref {
+				// Peers are compared with the baseline, not with
+				// one another.
+				if p.Name != ref && (!isPeer[ref] || !p.Peer) {
 					s = ratioCell(m, p.Name, ref)
 				}
 				any = any || s != ""
