@@ -30,9 +30,10 @@ type Options struct {
 	// Self is the binary whose `bench --serve-hold` serves the far end of
 	// the idle connections (see ServeHold); empty means Meshtun.
 	Self string
-	// Tun2socks is the peer's binary (see topo.BuildTun2socks); empty
-	// leaves the peer out.
-	Tun2socks string
+	// Tun2socks, WireGuardGo and Pasta are the peers' binaries (see
+	// topo.BuildTun2socks, topo.BuildWireGuardGo, topo.EnsurePasta); an
+	// empty one leaves its peer out.
+	Tun2socks, WireGuardGo, Pasta string
 	// Quick shortens every measurement to a smoke run of well under a
 	// minute.
 	Quick bool
@@ -165,7 +166,7 @@ func Run(ctx context.Context, o Options) (*report.Result, error) {
 	if o.Variant != nil {
 		res.Variant = o.Variant.String()
 	}
-	t, err := topo.Build(ctx, topo.Spec{Meshtun: o.Meshtun, Tun2socks: o.Tun2socks, LogLevel: o.ProxyLogLevel,
+	t, err := topo.Build(ctx, topo.Spec{Meshtun: o.Meshtun, Tun2socks: o.Tun2socks, WireGuardGo: o.WireGuardGo, Pasta: o.Pasta, LogLevel: o.ProxyLogLevel,
 		Paths: o.Paths, Variant: o.Variant, Log: log})
 	if err != nil {
 		return nil, fmt.Errorf("bench: %w", err)

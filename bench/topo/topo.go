@@ -12,6 +12,7 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"time"
@@ -29,7 +30,12 @@ const (
 	Passthrough = "passthrough"
 	Mesh        = "mesh"
 	Tun2socks   = "tun2socks"
+	WireGuardGo = "wireguard-go"
+	Pasta       = "pasta"
 )
+
+// Peers are the paths of other projects, in display order.
+var Peers = []string{Tun2socks, WireGuardGo, Pasta}
 
 // Proxy is a proxy process a path's traffic runs through.
 type Proxy struct {
@@ -49,11 +55,12 @@ type Proxy struct {
 
 // Path is one way from a source pod to a destination pod.
 type Path struct {
-	// Name is one of Direct, Verbatim, Passthrough, Mesh, Tun2socks.
+	// Name is one of Direct, Verbatim, Passthrough, Mesh or a peer (see
+	// Peers).
 	Name string
 	// Description says what the packets go through.
 	Description string
-	// Peer marks a path of another project, the one ratios are taken to.
+	// Peer marks a path of another project, one that ratios are taken to.
 	Peer bool
 	// Src is the client pod, Dst the server pod, on another node.
 	Src, Dst *cluster.Pod
@@ -71,8 +78,10 @@ type Path struct {
 type Spec struct {
 	// Meshtun is the meshtun binary to run `meshtun node` from.
 	Meshtun string
-	// Tun2socks is the tun2socks binary; empty leaves the peer path out.
-	Tun2socks string
+	// Tun2socks is the tun2socks binary (see BuildTun2socks), WireGuardGo
+	// the wireguard-go binary (see BuildWireGuardGo), Pasta the pasta
+	// binary (see EnsurePasta); an empty one leaves its peer path out.
+	Tun2socks, WireGuardGo, Pasta string
 	// LogLevel is meshtun's --log-level ("info", its default, if empty).
 	LogLevel string
 	// Paths, if not empty, limits the meshtun paths to these kinds
@@ -132,7 +141,7 @@ type Topology struct {
 	// Cluster is the namespace cluster.
 	Cluster *cluster.Cluster
 	// Paths are in the order Direct, Verbatim, Passthrough, Mesh and, if
-	// asked for, Tun2socks.
+	// asked for, the peers in the order of Peers.
 	Paths []*Path
 	// ConfigPath is the mesh config the meshtun nodes run with.
 	ConfigPath string
@@ -156,6 +165,8 @@ var plans = []pathPlan{
 	{name: Passthrough, desc: "meshtun on the client's node, server pod outside the mesh: TCP terminated in the netstack, sent on by a kernel socket", peer: false},
 	{name: Mesh, desc: "meshtun on both nodes, both pods in the mesh: HBONE (HTTP/2 CONNECT over mTLS) from node to node", peer: false},
 	{name: Tun2socks, desc: "tun2socks v2.6.0 on the client's node with -proxy direct:// on the same TUN path (same rules, MTU, queue length)", peer: true},
+	{name: WireGuardGo, desc: "wireguard-go " + WireGuardVersion + " on both nodes, configured through its UAPI socket: pod → node → encrypted tunnel (UDP over the fabric, its Linux offloads on) → node → pod", peer: true},
+	{name: Pasta, desc: "pasta (Debian's " + PastaPackage + ") on the client's node gives the client pod its network in place of the veth: the pod's TCP and UDP become pasta's sockets in the node, routed on by the node's kernel", peer: true},
 }
 
 // meshtunAdmin is the admin address noderun.WriteConfig gives every node.
@@ -206,9 +217,9 @@ func choosePlans(spec Spec) ([]pathPlan, error) {
 	for _, p := range plans {
 		p.kind = p.name
 		switch {
-		case p.name == Tun2socks && spec.Tun2socks == "":
+		case p.peer && spec.peerBinary(p.name) == "":
 			continue
-		case p.name == Direct || p.name == Tun2socks:
+		case p.name == Direct || p.peer:
 			ps = append(ps, p)
 			continue
 		case len(spec.Paths) > 0 && !slices.Contains(spec.Paths, p.name):
@@ -223,6 +234,20 @@ func choosePlans(spec Spec) ([]pathPlan, error) {
 		}
 	}
 	return ps, nil
+}
+
+// peerBinary returns the binary spec gives for peer path name, "" if
+// none.
+func (s Spec) peerBinary(name string) string {
+	switch name {
+	case Tun2socks:
+		return s.Tun2socks
+	case WireGuardGo:
+		return s.WireGuardGo
+	case Pasta:
+		return s.Pasta
+	}
+	return ""
 }
 
 func (t *Topology) build(ctx context.Context, spec Spec, ps []pathPlan) error {
@@ -279,6 +304,36 @@ func (t *Topology) build(ctx context.Context, spec Spec, ps []pathPlan) error {
 				Node: src.Node,
 				start: func(ctx context.Context) (*cluster.Proc, error) {
 					return startTun2socks(ctx, spec.Tun2socks, src, t.log)
+				},
+			})
+		case WireGuardGo:
+			ends, err := newWGPair(p.Src, p.Dst)
+			if err != nil {
+				return err
+			}
+			for _, e := range ends {
+				p.Proxies = append(p.Proxies, Proxy{
+					Name: "wireguard-go " + noderun.NodeName(e.node),
+					Node: e.node,
+					start: func(ctx context.Context) (*cluster.Proc, error) {
+						return startWireGuard(ctx, spec.WireGuardGo, e, t.log)
+					},
+				})
+			}
+		case Pasta:
+			src := p.Src
+			if v := PastaVersion(); v != "" {
+				p.Description += " (" + PastaPackage + " " + v + ")"
+			}
+			if err := detachPod(src); err != nil {
+				return err
+			}
+			logFile := filepath.Join(t.dir, "pasta-"+src.ID+".log")
+			p.Proxies = append(p.Proxies, Proxy{
+				Name: "pasta " + noderun.NodeName(src.Node),
+				Node: src.Node,
+				start: func(ctx context.Context) (*cluster.Proc, error) {
+					return startPasta(ctx, spec.Pasta, src, logFile, t.log)
 				},
 			})
 		}
@@ -351,4 +406,36 @@ func (t *Topology) Close() error {
 		err = errors.Join(err, os.RemoveAll(t.dir))
 	}
 	return err
+}
+
+// ParsePeers reads the value of `meshtun bench --peers`: "true" (the flag
+// alone) selects every peer, "false" none, otherwise a comma-separated
+// list of peer names ("wireguard" and "wg" stand for wireguard-go). It
+// returns the selected peers in the order of Peers.
+func ParsePeers(s string) ([]string, error) {
+	switch s {
+	case "true":
+		return slices.Clone(Peers), nil
+	case "false", "":
+		return nil, nil
+	}
+	want := map[string]bool{}
+	for _, f := range strings.Split(s, ",") {
+		name := strings.TrimSpace(f)
+		switch name {
+		case "wireguard", "wg":
+			name = WireGuardGo
+		}
+		if !slices.Contains(Peers, name) {
+			return nil, fmt.Errorf("no peer %q (want a comma-separated list of %s)", f, strings.Join(Peers, ", "))
+		}
+		want[name] = true
+	}
+	var out []string
+	for _, p := range Peers {
+		if want[p] {
+			out = append(out, p)
+		}
+	}
+	return out, nil
 }

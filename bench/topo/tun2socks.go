@@ -7,10 +7,6 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
-	"os"
-	"os/exec"
-	"path/filepath"
-	"strings"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -39,56 +35,7 @@ const tun2socksDev = "t2s0"
 // directives). The binary is a peer the benchmark runs, never code of
 // meshtun's.
 func BuildTun2socks(ctx context.Context, cacheDir string, log zerolog.Logger) (string, error) {
-	dir := filepath.Join(cacheDir, "tun2socks-"+Tun2socksVersion)
-	bin := filepath.Join(dir, "tun2socks")
-	if fi, err := os.Stat(bin); err == nil && fi.Mode().IsRegular() && fi.Mode()&0o111 != 0 {
-		return bin, nil
-	}
-	goTool, err := findGo()
-	if err != nil {
-		return "", err
-	}
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return "", fmt.Errorf("topo: tun2socks cache: %w", err)
-	}
-	scratch, err := os.MkdirTemp(dir, "build-")
-	if err != nil {
-		return "", fmt.Errorf("topo: tun2socks cache: %w", err)
-	}
-	defer os.RemoveAll(scratch)
-	log.Info().Str("module", Tun2socksModule+"@"+Tun2socksVersion).Str("cache", dir).Msg("building the tun2socks peer (once)")
-	tmp := filepath.Join(scratch, "tun2socks")
-	steps := [][]string{
-		{"mod", "init", "meshtun.bench/peer"},
-		{"get", "-tool", Tun2socksModule + "@" + Tun2socksVersion},
-		{"build", "-o", tmp, Tun2socksModule},
-	}
-	for _, args := range steps {
-		cmd := exec.CommandContext(ctx, goTool, args...)
-		cmd.Dir = scratch
-		cmd.Env = append(os.Environ(), "GOFLAGS=-mod=mod", "GOWORK=off")
-		out, err := cmd.CombinedOutput()
-		if err != nil {
-			return "", fmt.Errorf("topo: build tun2socks: go %s: %w\n%s", strings.Join(args, " "), err, out)
-		}
-	}
-	if err := os.Rename(tmp, bin); err != nil {
-		return "", fmt.Errorf("topo: tun2socks cache: %w", err)
-	}
-	return bin, nil
-}
-
-// findGo returns the go command: from PATH, else the toolchain in
-// /usr/local/go.
-func findGo() (string, error) {
-	if p, err := exec.LookPath("go"); err == nil {
-		return p, nil
-	}
-	const fallback = "/usr/local/go/bin/go"
-	if _, err := os.Stat(fallback); err == nil {
-		return fallback, nil
-	}
-	return "", errors.New("topo: building tun2socks needs the go command (not in PATH, nor " + fallback + ")")
+	return buildGoPeer(ctx, cacheDir, "tun2socks", Tun2socksModule, Tun2socksVersion, log)
 }
 
 // startTun2socks runs tun2socks on the node of pod src with a TUN of its

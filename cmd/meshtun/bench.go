@@ -30,16 +30,19 @@ func runBench(ctx context.Context, args []string) error {
 
 Builds a sealed network-namespace cluster and measures, interleaved and
 repeated, the direct kernel path, meshtun verbatim, passthrough and mesh
-(and with --peers tun2socks on the same TUN path): TCP throughput, request/
-response and connect latency, UDP rate and loss, proxy CPU per GB and
-memory. Needs root. Prints a table; writes JSON and SVG charts on request.
+(and with --peers other projects on the same topology: tun2socks on the
+same TUN path, a wireguard-go tunnel between the nodes, pasta giving the
+client pod its network): TCP throughput, request/response and connect
+latency, UDP rate and loss, proxy CPU per GB and memory. Needs root.
+Prints a table; writes JSON and SVG charts on request.
 
 flags:
 `)
 		fs.PrintDefaults()
 	}
 	var (
-		quick, peers        bool
+		quick               bool
+		peers               peerFlag
 		reps                int
 		jsonPath, outDir    string
 		cacheDir, logLevel  string
@@ -54,7 +57,8 @@ flags:
 		defCache = filepath.Join(d, "meshtun-bench")
 	}
 	fs.BoolVar(&quick, "quick", false, "smoke run: short measurements, 2 repetitions (under a minute)")
-	fs.BoolVar(&peers, "peers", false, "also measure tun2socks "+topo.Tun2socksVersion+" on the same TUN path (built into --cache the first time, about a minute)")
+	fs.Var(&peers, "peers", "also measure the peers: alone all of them, or --peers=`list` of "+strings.Join(topo.Peers, ",")+
+		" (tun2socks "+topo.Tun2socksVersion+" and wireguard-go are built into --cache the first time, about a minute each; pasta is installed with apt-get if missing)")
 	fs.IntVar(&reps, "reps", 0, "repetitions of each scenario on each path (default 5, 2 with --quick)")
 	fs.StringVar(&jsonPath, "json", "", "write the results as JSON to `file`")
 	fs.StringVar(&outDir, "out", "", "write SVG charts and index.html into `dir`")
@@ -119,13 +123,27 @@ flags:
 	}
 	prog := bench.NewProgress(os.Stderr, live)
 
-	var t2s string
-	if peers {
-		if cacheDir == "" {
-			return errors.New("--peers needs --cache (no user cache directory)")
+	var t2s, wg, pasta string
+	for _, p := range peers.names {
+		switch p {
+		case topo.Tun2socks:
+			if cacheDir == "" {
+				return errors.New("--peers: tun2socks needs --cache (no user cache directory)")
+			}
+			fmt.Fprintf(os.Stderr, "bench: tun2socks %s from %s\n", topo.Tun2socksVersion, cacheDir)
+			t2s, err = topo.BuildTun2socks(ctx, cacheDir, log)
+		case topo.WireGuardGo:
+			if cacheDir == "" {
+				return errors.New("--peers: wireguard-go needs --cache (no user cache directory)")
+			}
+			fmt.Fprintf(os.Stderr, "bench: wireguard-go %s from %s\n", topo.WireGuardVersion, cacheDir)
+			wg, err = topo.BuildWireGuardGo(ctx, cacheDir, log)
+		case topo.Pasta:
+			if pasta, err = topo.EnsurePasta(ctx, log); err == nil {
+				fmt.Fprintf(os.Stderr, "bench: pasta %s (%s %s)\n", pasta, topo.PastaPackage, topo.PastaVersion())
+			}
 		}
-		fmt.Fprintf(os.Stderr, "bench: tun2socks %s from %s\n", topo.Tun2socksVersion, cacheDir)
-		if t2s, err = topo.BuildTun2socks(ctx, cacheDir, log); err != nil {
+		if err != nil {
 			return err
 		}
 	}
@@ -133,6 +151,8 @@ flags:
 		Meshtun:       binPath,
 		Self:          self,
 		Tun2socks:     t2s,
+		WireGuardGo:   wg,
+		Pasta:         pasta,
 		Quick:         quick,
 		Repetitions:   reps,
 		Paths:         paths,
@@ -208,3 +228,20 @@ func writeFile(path string, fill func(*os.File) error) error {
 	}
 	return nil
 }
+
+// peerFlag is the value of --peers: a boolean flag (alone, every peer)
+// that also takes a list (--peers=pasta,wireguard-go).
+type peerFlag struct{ names []string }
+
+func (f *peerFlag) String() string { return strings.Join(f.names, ",") }
+
+func (f *peerFlag) Set(s string) error {
+	names, err := topo.ParsePeers(s)
+	if err != nil {
+		return err
+	}
+	f.names = names
+	return nil
+}
+
+func (f *peerFlag) IsBoolFlag() bool { return true }
