@@ -29,9 +29,11 @@ demo: build
 	./$(BIN) demo
 
 # bench builds meshtun and runs its benchmark suite (root): direct, verbatim,
-# passthrough and mesh side by side with the tun2socks peer (built once into
-# ~/.cache/meshtun-bench), interleaved and repeated, about 8 minutes. The
-# table goes to the terminal, JSON and SVG charts to bench/results/.
+# passthrough and mesh side by side with the peers tun2socks and wireguard-go
+# (built once into ~/.cache/meshtun-bench) and pasta (Debian's passt,
+# installed with apt-get if missing), interleaved and repeated, about 9
+# minutes. The table goes to the terminal, JSON and SVG charts to
+# bench/results/.
 # BENCHFLAGS=--quick for a smoke run of under a minute.
 bench: build
 	$(GO) test -run '^$$' -bench . -benchmem ./stack/classify
