@@ -1,11 +1,17 @@
 package bench
 
 import (
+	"fmt"
+	"os/exec"
 	"strings"
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
+	"github.com/meshtun/meshtun/bench/procstat"
 	"github.com/meshtun/meshtun/bench/report"
+	"github.com/meshtun/meshtun/bench/topo"
 )
 
 func TestPlan(t *testing.T) {
@@ -104,4 +110,34 @@ func TestProgressLiveRedrawsOneLine(t *testing.T) {
 	nilP.step("nothing") // a nil Progress reports nothing and does not panic
 	nilP.note("nothing")
 	nilP.finish()
+}
+
+// TestFilesNoteNamesAProxyOutOfDescriptors runs a stand-in proxy (sleep),
+// lowers its open-file limit to what it holds, and expects the note to
+// name it; with room left there is no note.
+func TestFilesNoteNamesAProxyOutOfDescriptors(t *testing.T) {
+	cmd := exec.Command("sleep", "60")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		cmd.Process.Kill()
+		cmd.Wait()
+	}()
+	l := &lane{Path: &topo.Path{Proxies: []topo.Proxy{{Name: "stand-in n1", Pid: cmd.Process.Pid}}}}
+	if got := filesNote(l); got != "" {
+		t.Errorf("with room left: %q, want no note", got)
+	}
+	open, _, err := procstat.Files("/proc", cmd.Process.Pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lim := unix.Rlimit{Cur: uint64(open), Max: uint64(open)}
+	if err := unix.Prlimit(cmd.Process.Pid, unix.RLIMIT_NOFILE, &lim, nil); err != nil {
+		t.Fatal(err)
+	}
+	want := fmt.Sprintf(" (stand-in n1 holds %d descriptors, its open-file limit)", open)
+	if got := filesNote(l); got != want {
+		t.Errorf("at the limit: %q, want %q", got, want)
+	}
 }

@@ -425,7 +425,7 @@ func idleConns(ctx context.Context, l *lane, pl plan, bin string, prog *Progress
 		prog.step(fmt.Sprintf("%d idle connections · %s", n, l.Name))
 		var err error
 		if set, err = gen.OpenIdle(ctx, l.Src.NS, h, set, n-set.Len()); err != nil {
-			return err
+			return fmt.Errorf("%w%s", err, filesNote(l))
 		}
 		worst := 0.0
 		for i, x := range l.Proxies {
@@ -438,6 +438,22 @@ func idleConns(ctx context.Context, l *lane, pl plan, bin string, prog *Progress
 		l.add(idleMetric(n), worst)
 	}
 	return nil
+}
+
+// filesNote names the proxies of l that have used up their open-file
+// limit (a proxy that holds descriptors per connection stops accepting
+// there), as a note to append to an error; "" if none has.
+func filesNote(l *lane) string {
+	var full []string
+	for _, x := range l.Proxies {
+		if open, limit, err := procstat.Files("/proc", x.Pid); err == nil && uint64(open) >= limit {
+			full = append(full, fmt.Sprintf("%s holds %d descriptors, its open-file limit", x.Name, open))
+		}
+	}
+	if len(full) == 0 {
+		return ""
+	}
+	return " (" + strings.Join(full, "; ") + ")"
 }
 
 // HoldFlag is the flag of `meshtun bench` that runs the hold server of the

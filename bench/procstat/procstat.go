@@ -110,3 +110,48 @@ func firstLine(b []byte) string {
 	}
 	return s
 }
+
+// Files returns how many descriptors process pid has open and its
+// open-file limit (the soft one, what open(2) checks), from the /proc
+// file system at root.
+func Files(root string, pid int) (open int, limit uint64, err error) {
+	dir := filepath.Join(root, strconv.Itoa(pid))
+	fds, err := os.ReadDir(filepath.Join(dir, "fd"))
+	if err != nil {
+		return 0, 0, fmt.Errorf("procstat: pid %d: %w", pid, err)
+	}
+	b, err := os.ReadFile(filepath.Join(dir, "limits"))
+	if err != nil {
+		return 0, 0, fmt.Errorf("procstat: pid %d: %w", pid, err)
+	}
+	limit, err = parseFileLimit(b)
+	if err != nil {
+		return 0, 0, fmt.Errorf("procstat: pid %d: %w", pid, err)
+	}
+	return len(fds), limit, nil
+}
+
+// parseFileLimit returns the soft "Max open files" of the contents of
+// /proc/<pid>/limits.
+func parseFileLimit(b []byte) (uint64, error) {
+	const key = "Max open files"
+	for line := range strings.SplitSeq(string(b), "\n") {
+		rest, ok := strings.CutPrefix(line, key)
+		if !ok {
+			continue
+		}
+		f := strings.Fields(rest)
+		if len(f) < 1 {
+			break
+		}
+		if f[0] == "unlimited" {
+			return ^uint64(0), nil
+		}
+		n, err := strconv.ParseUint(f[0], 10, 64)
+		if err != nil {
+			return 0, fmt.Errorf("limits: %q: %w", line, err)
+		}
+		return n, nil
+	}
+	return 0, fmt.Errorf("limits: no %q line", key)
+}

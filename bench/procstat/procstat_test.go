@@ -73,3 +73,24 @@ func TestReadMissing(t *testing.T) {
 		t.Error("Read of a missing process: no error")
 	}
 }
+
+func TestParseFileLimit(t *testing.T) {
+	const limits = `Limit                     Soft Limit           Hard Limit           Units     
+Max cpu time              unlimited            unlimited            seconds   
+Max open files            12000                20000                files     
+Max locked memory         8388608              8388608              bytes     
+`
+	if n, err := parseFileLimit([]byte(limits)); err != nil || n != 12000 {
+		t.Errorf("parseFileLimit = %d, %v; want the soft 12000", n, err)
+	}
+	if _, err := parseFileLimit([]byte("Max cpu time unlimited unlimited seconds\n")); err == nil {
+		t.Error("no open-files line: no error")
+	}
+	if _, err := parseFileLimit([]byte("Max open files            many    many   files\n")); err == nil {
+		t.Error("a limit that is not a number: no error")
+	}
+	open, limit, err := Files("/proc", os.Getpid())
+	if err != nil || open < 3 || limit < uint64(open) {
+		t.Errorf("Files(self) = %d open, limit %d, %v", open, limit, err)
+	}
+}
