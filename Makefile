@@ -31,7 +31,7 @@ demo: build
 # bench builds meshtun and runs its benchmark suite (root): direct, verbatim,
 # passthrough and mesh side by side with the peers tun2socks and wireguard-go
 # (built once into ~/.cache/meshtun-bench) and pasta (Debian's passt,
-# installed with apt-get if missing), interleaved and repeated, about 9
+# installed with apt-get if missing), interleaved and repeated, about 10
 # minutes. The table goes to the terminal, JSON and SVG charts to
 # bench/results/.
 # BENCHFLAGS=--quick for a smoke run of under a minute.
