@@ -86,6 +86,9 @@ flags:
 		return bench.ServeHold(holdAddr)
 	}
 	if fs.NArg() > 0 {
+		if _, err := topo.ParsePeers(fs.Arg(0)); err == nil && fs.Arg(0) != "true" && fs.Arg(0) != "false" {
+			return fmt.Errorf("unexpected arguments: %q (a list of peers goes with an equals sign: --peers=%s)", fs.Args(), fs.Arg(0))
+		}
 		return fmt.Errorf("unexpected arguments: %q", fs.Args())
 	}
 	var paths []string
