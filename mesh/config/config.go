@@ -16,6 +16,7 @@ package config
 
 import (
 	"bytes"
+	"crypto/sha256"
 	"errors"
 	"fmt"
 	"io"
@@ -76,6 +77,32 @@ type Config struct {
 
 	td       spiffeid.TrustDomain
 	policies []*policy.Policy
+	sum      [sha256.Size]byte
+}
+
+// Sum returns the SHA-256 of the content the config was parsed from: two
+// configs with the same Sum describe the same mesh.
+func (c *Config) Sum() [sha256.Size]byte { return c.sum }
+
+// MaxFileSize is the largest config file Load and Watch read: a larger
+// file is refused rather than read into memory and parsed.
+const MaxFileSize = 8 << 20
+
+// readFile reads path, refusing a file larger than MaxFileSize.
+func readFile(path string) ([]byte, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	data, err := io.ReadAll(io.LimitReader(f, MaxFileSize+1))
+	if err != nil {
+		return nil, err
+	}
+	if len(data) > MaxFileSize {
+		return nil, fmt.Errorf("%s: the file is larger than %d MiB; refusing to read it", path, MaxFileSize>>20)
+	}
+	return data, nil
 }
 
 // CAConfig is the built-in certificate authority.
@@ -230,7 +257,7 @@ type Condition struct {
 // an Errors listing every problem, each with file, line and field, or a
 // plain error when the file cannot be read.
 func Load(path string) (*Config, error) {
-	data, err := os.ReadFile(path)
+	data, err := readFile(path)
 	if err != nil {
 		return nil, fmt.Errorf("config: %w", err)
 	}
@@ -265,7 +292,7 @@ func Parse(name string, data []byte) (*Config, error) {
 	}
 	d := newDecoder(file)
 	d.budget = 4*countNodes(root) + 1000
-	c := &Config{Path: name}
+	c := &Config{Path: name, sum: sha256.Sum256(data)}
 	d.decode(root, reflect.ValueOf(c).Elem(), "", "")
 	if len(d.errs) == 0 {
 		c.validate(d)

@@ -454,3 +454,35 @@ authorizationPolicies: [*ap, *ap, *ap, *ap, *ap, *ap, *ap, *ap, *ap, *ap, *ap, *
 		t.Errorf("Parse: %v", err)
 	}
 }
+
+// TestLoadTooLarge: a file over MaxFileSize is refused with an error that
+// names the file and the limit, before it is parsed.
+func TestLoadTooLarge(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "huge.yaml")
+	f, err := os.Create(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A valid file padded with a comment past the limit.
+	if _, err := f.WriteString(meshFile(1) + "#" + strings.Repeat("x", MaxFileSize) + "\n"); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	_, err = Load(p)
+	if err == nil || !strings.Contains(err.Error(), "huge.yaml: the file is larger than 8 MiB") {
+		t.Errorf("Load: %v, want a size error", err)
+	}
+}
+
+// TestSum: the same content has the same Sum, another content another.
+func TestSum(t *testing.T) {
+	a1, err1 := Parse("a.yaml", []byte(meshFile(1)))
+	a2, err2 := Parse("b.yaml", []byte(meshFile(1)))
+	b, err3 := Parse("a.yaml", []byte(meshFile(2)))
+	if err := errors.Join(err1, err2, err3); err != nil {
+		t.Fatal(err)
+	}
+	if a1.Sum() != a2.Sum() || a1.Sum() == b.Sum() {
+		t.Errorf("Sum: equal content %v, different content %v", a1.Sum() == a2.Sum(), a1.Sum() != b.Sum())
+	}
+}
