@@ -356,8 +356,7 @@ func capturePolicy(reg *registry.Registry, node string, fromNode func(netip.Addr
 			if w.ProbePort(dst.Port()) && fromNode(src.Addr()) {
 				return false
 			}
-			deny, allow, strict := w.Policies()
-			return strict || len(deny) > 0 || len(allow) > 0
+			return w.Protected(dst.Port())
 		}
 		return false
 	})

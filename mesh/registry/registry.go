@@ -74,6 +74,9 @@ type Workload struct {
 	// mesh is known (for services and policy) but reached in plaintext.
 	InMesh   bool
 	PeerAuth PeerAuth
+	// PortPeerAuth overrides PeerAuth on some of the workload's ports
+	// (port-level peer authentication).
+	PortPeerAuth map[uint16]PeerAuth
 	// Health decides whether services pick the workload as an endpoint.
 	Health Health
 	// ProbePorts are the ports the workload serves health probes on: the
@@ -118,6 +121,14 @@ func (w *Workload) ProbePort(port uint16) bool {
 func (w *Workload) Policies() (deny, allow []*policy.Policy, strict bool) {
 	d, a := w.authz.Policies()
 	return d, a, w.authz.Strict()
+}
+
+// Protected reports whether plaintext to the workload's port must be
+// intercepted: the port requires STRICT peer authentication, or an
+// authorization policy (ALLOW, DENY or AUDIT) applies to the workload.
+func (w *Workload) Protected(port uint16) bool {
+	d, a := w.authz.Policies()
+	return w.authz.StrictOn(port) || len(d) > 0 || len(a) > 0 || len(w.authz.Audits()) > 0
 }
 
 // ServicePort is one port of a service.
@@ -332,6 +343,13 @@ func Build(m Model) (*Snapshot, error) {
 		w.authz, err = policy.NewSet(idx.forWorkload(w.Namespace, w.Labels), w.PeerAuth == Strict)
 		if err != nil {
 			return nil, fmt.Errorf("registry: workload %s: %w", &w, err)
+		}
+		if len(w.PortPeerAuth) > 0 {
+			ports := make(map[uint16]bool, len(w.PortPeerAuth))
+			for p, m := range w.PortPeerAuth {
+				ports[p] = m == Strict
+			}
+			w.authz = w.authz.WithPorts(ports)
 		}
 		wp := &w
 		for _, a := range w.Addresses {
