@@ -68,6 +68,7 @@ type Config struct {
 	Workloads             []Workload            `yaml:"workloads"`
 	Services              []Service             `yaml:"services"`
 	AuthorizationPolicies []AuthorizationPolicy `yaml:"authorizationPolicies"`
+	PeerAuthentications   []PeerAuthentication  `yaml:"peerAuthentications"`
 
 	// Path is the file the config was loaded from.
 	Path string `yaml:"-"`
@@ -158,12 +159,17 @@ type Workload struct {
 	CaptureLink string `yaml:"captureLink"`
 	// Mesh: the workload's traffic goes through the mesh (default true).
 	Mesh *bool `yaml:"mesh"`
-	// PeerAuthentication is STRICT or PERMISSIVE; the mesh default if
-	// empty.
+	// PeerAuthentication is STRICT or PERMISSIVE; if empty, the
+	// peerAuthentications that select the workload decide, else the mesh
+	// default. After Load it holds the workload's resolved mode.
 	PeerAuthentication string `yaml:"peerAuthentication"`
 	// ProbePorts are the ports the node's health probes reach the
 	// workload on: served from the node directly, even under STRICT.
 	ProbePorts []uint16 `yaml:"probePorts,port"`
+
+	// portModes is the resolved port-level mode (STRICT or PERMISSIVE)
+	// of some ports, from a peerAuthentications' portLevelMtls.
+	portModes map[uint16]string
 }
 
 // InMesh reports whether the workload is in the mesh (Mesh, default true).
@@ -197,14 +203,57 @@ type ServicePort struct {
 // {matchLabels: {app: echo}}.
 type Selector map[string]string
 
-// AuthorizationPolicy is an Istio AuthorizationPolicy (L4 fields).
+// AuthorizationPolicy is an Istio AuthorizationPolicy. HTTP fields and
+// actions an L4 proxy cannot enforce load with a warning (docs/config.md).
 type AuthorizationPolicy struct {
 	Name      string   `yaml:"name"`
 	Namespace string   `yaml:"namespace"`
 	Selector  Selector `yaml:"selector"`
-	// Action is ALLOW (the default) or DENY.
+	// Action is ALLOW (the default), DENY or AUDIT; CUSTOM is accepted and
+	// ignored with a warning.
 	Action string `yaml:"action"`
-	Rules  []Rule `yaml:"rules"`
+	// Provider is CUSTOM's external authorizer.
+	Provider *Provider `yaml:"provider"`
+	// TargetRef and TargetRefs attach the policy to a waypoint or gateway;
+	// such a policy is not for a node proxy and is ignored with a warning.
+	TargetRef  *TargetRef  `yaml:"targetRef"`
+	TargetRefs []TargetRef `yaml:"targetRefs"`
+	Rules      []Rule      `yaml:"rules"`
+}
+
+// Provider names a CUSTOM policy's external authorizer.
+type Provider struct {
+	Name string `yaml:"name"`
+}
+
+// TargetRef is an Istio policy target (a Gateway API reference).
+type TargetRef struct {
+	Group     string `yaml:"group"`
+	Kind      string `yaml:"kind"`
+	Name      string `yaml:"name"`
+	Namespace string `yaml:"namespace"`
+}
+
+// PeerAuthentication is an Istio PeerAuthentication: the mTLS mode of the
+// workloads it selects. In the root namespace without a selector it is
+// mesh-wide; in another namespace without a selector, namespace-wide;
+// with a selector, it applies to the selected workloads of its namespace
+// and may set modes per port.
+type PeerAuthentication struct {
+	Name      string   `yaml:"name"`
+	Namespace string   `yaml:"namespace"`
+	Selector  Selector `yaml:"selector"`
+	MTLS      MTLS     `yaml:"mtls"`
+	// PortLevelMTLS maps a workload port (as a string or a number) to its
+	// mode; it needs a selector.
+	PortLevelMTLS map[string]MTLS `yaml:"portLevelMtls"`
+}
+
+// MTLS is a peer-authentication mode: UNSET (or empty: inherit),
+// STRICT, PERMISSIVE or DISABLE (which an L4 node proxy treats as
+// PERMISSIVE, as ztunnel does).
+type MTLS struct {
+	Mode string `yaml:"mode"`
 }
 
 // Rule is one rule of a policy.
@@ -228,6 +277,9 @@ type To struct {
 	wrapped   bool
 }
 
+// l7Field is an HTTP field of a source or operation, where the file has it.
+type l7Field struct{ name, path string }
+
 // Source matches the peer of a connection.
 type Source struct {
 	Principals         []string         `yaml:"principals"`
@@ -238,12 +290,16 @@ type Source struct {
 	NotServiceAccounts []string         `yaml:"notServiceAccounts"`
 	IPBlocks           []policy.IPBlock `yaml:"ipBlocks"`
 	NotIPBlocks        []policy.IPBlock `yaml:"notIpBlocks"`
+
+	l7 []l7Field // requestPrincipals, remoteIpBlocks, …
 }
 
 // Operation matches the destination port of a connection.
 type Operation struct {
 	Ports    []uint16 `yaml:"ports,port"`
 	NotPorts []uint16 `yaml:"notPorts,port"`
+
+	l7 []l7Field // methods, paths, hosts, …
 }
 
 // Condition is one entry of a rule's when clause.
@@ -341,6 +397,15 @@ func (c *Config) Snapshot() (*registry.Snapshot, error) {
 		}
 		if w.PeerAuthentication == "STRICT" {
 			rw.PeerAuth = registry.Strict
+		}
+		for port, mode := range w.portModes {
+			if rw.PortPeerAuth == nil {
+				rw.PortPeerAuth = make(map[uint16]registry.PeerAuth, len(w.portModes))
+			}
+			rw.PortPeerAuth[port] = registry.Permissive
+			if mode == "STRICT" {
+				rw.PortPeerAuth[port] = registry.Strict
+			}
 		}
 		m.Workloads = append(m.Workloads, rw)
 	}
