@@ -248,6 +248,7 @@ type Snapshot struct {
 	svcByDest *addrTable[svcPort]  // VIP and service port
 	svcByVIP  *addrTable[*Service] // port 0
 	svcByName map[WorkloadRef]*Service
+	svcByHost map[string]*Service
 }
 
 type svcPort struct {
@@ -386,6 +387,12 @@ func (s *Snapshot) addService(svc *Service, suffix string, byNS map[string][]*Wo
 	if svc.Hostname == "" {
 		svc.Hostname = svc.Name + "." + svc.Namespace + ".svc." + suffix
 	}
+	if s.svcByHost == nil {
+		s.svcByHost = make(map[string]*Service)
+	}
+	if _, dup := s.svcByHost[svc.Hostname]; !dup {
+		s.svcByHost[svc.Hostname] = svc
+	}
 	for i := range svc.Ports {
 		if svc.Ports[i].Port == 0 {
 			return fmt.Errorf("port 0")
@@ -486,6 +493,11 @@ func (s *Snapshot) ServiceByVIP(a netip.Addr) *Service {
 	}
 	svc, _ := s.svcByVIP.get(a, 0)
 	return svc
+}
+
+// ServiceByHostname returns the service whose Hostname is host, or nil.
+func (s *Snapshot) ServiceByHostname(host string) *Service {
+	return s.svcByHost[host]
 }
 
 // ServiceByName returns the service namespace/name, or nil.
