@@ -106,14 +106,15 @@ type ServerConfig struct {
 
 // Server is an HBONE server. It is safe for concurrent use.
 type Server struct {
-	tls                               *tls.Config
-	handler                           Handler
-	hsTime                            time.Duration
-	pingInterval                      time.Duration
-	pingTimeout                       time.Duration
-	log                               zerolog.Logger
-	refused                           func(local, remote net.Addr, err error)
-	conns                             atomic.Int64 // connections being served
+	tls          *tls.Config
+	handler      Handler
+	hsTime       time.Duration
+	pingInterval time.Duration
+	pingTimeout  time.Duration
+	log          zerolog.Logger
+	refused      func(local, remote net.Addr, err error)
+	conns        atomic.Int64 // connections being served
+
 	maxPeerStreams, maxPeerConnecting int
 
 	peerMu sync.Mutex
