@@ -137,3 +137,54 @@ func TestForwardedHostLabel(t *testing.T) {
 		t.Errorf("serviceName of no host = %q, want empty", got)
 	}
 }
+
+// TestReauthorizeStrict: an open plaintext connection the proxy relays is
+// reset when a reload makes its destination, or only its port, STRICT;
+// one to another port stays.
+func TestReauthorizeStrict(t *testing.T) {
+	build := func(mode registry.PeerAuth, ports map[uint16]registry.PeerAuth) *registry.Snapshot {
+		snap, err := registry.Build(registry.Model{TrustDomain: testTD, Workloads: []*registry.Workload{
+			{Name: "web", Namespace: "default", Node: "n1", InMesh: true, PeerAuth: mode, PortPeerAuth: ports,
+				Addresses: []netip.Addr{netip.MustParseAddr("198.18.1.20")}},
+		}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return snap
+	}
+	for _, tc := range []struct {
+		name     string
+		snap     *registry.Snapshot
+		reset80  bool
+		reset443 bool
+	}{
+		{"workload STRICT", build(registry.Strict, nil), true, true},
+		{"port 80 STRICT", build(registry.Permissive, map[uint16]registry.PeerAuth{80: registry.Strict}), true, false},
+		{"still PERMISSIVE", build(registry.Permissive, nil), false, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			reg := registry.New(build(registry.Permissive, nil))
+			p, err := New(context.Background(), Config{Node: "n1", Registry: reg, Logger: zerolog.Nop()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			var reset80, reset443 bool
+			for _, port := range []uint16{80, 443} {
+				reset := &reset80
+				if port == 443 {
+					reset = &reset443
+				}
+				az, err := p.authorize(reg.Load(), spiffeid.ID{}, netip.MustParseAddr("198.18.9.9"), netip.AddrPortFrom(netip.MustParseAddr("198.18.1.20"), port))
+				if err != nil {
+					t.Fatalf("plaintext to a PERMISSIVE workload: %v", err)
+				}
+				p.open.add(az, func() { *reset = true })
+			}
+			reg.Store(tc.snap)
+			p.Reauthorize()
+			if reset80 != tc.reset80 || reset443 != tc.reset443 {
+				t.Errorf("reset: port 80 %v, port 443 %v; want %v, %v", reset80, reset443, tc.reset80, tc.reset443)
+			}
+		})
+	}
+}
