@@ -76,6 +76,9 @@ func (a Action) String() string {
 	return "ALLOW"
 }
 
+// MarshalText returns String, so that dumps read "DENY", not 1.
+func (a Action) MarshalText() ([]byte, error) { return []byte(a.String()), nil }
+
 // ErrCustom is ParseAction's error for CUSTOM, Istio's action that asks an
 // external authorizer: there is none at L4.
 var ErrCustom = errors.New("action CUSTOM (an external authorizer) is not supported")

@@ -1,6 +1,7 @@
 package policy
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -709,5 +710,15 @@ func TestPortLevelStrict(t *testing.T) {
 	}
 	if !perm.StrictOn(9090) || perm.StrictOn(8080) {
 		t.Errorf("StrictOn(9090) = %v, StrictOn(8080) = %v", perm.StrictOn(9090), perm.StrictOn(8080))
+	}
+}
+
+// TestActionJSON: dumps name the action.
+func TestActionJSON(t *testing.T) {
+	for a, want := range map[Action]string{Allow: `"ALLOW"`, Deny: `"DENY"`, Audit: `"AUDIT"`} {
+		b, err := json.Marshal(a)
+		if err != nil || string(b) != want {
+			t.Errorf("json of %v: %s, %v; want %s", a, b, err, want)
+		}
 	}
 }
