@@ -444,6 +444,14 @@ func (sc *serverConn) onHeaders(f *http2.MetaHeadersFrame) error {
 	req, status, perr := sc.parse(f)
 
 	h.mu.Lock()
+	if h.closed {
+		// The connection closed while the headers were parsed: its
+		// streams are failed and gone; this one is never made.
+		h.mu.Unlock()
+		sc.srv.peerConnected(sc.peer)
+		sc.srv.peerStreamDone(sc.peer)
+		return nil
+	}
 	s := h.newStreamLocked(id)
 	s.recvEnded = f.StreamEnded()
 	s.peerCounted = true
