@@ -71,6 +71,7 @@ func runNode(ctx context.Context, args []string) error {
 		Mesh:          mesh,
 		CA:            identity.CAConfig{Dir: c.CA.Dir, SVIDTTL: c.CA.SVIDTTL},
 		ConfigPath:    c.Path,
+		ConfigSum:     c.Sum(),
 		NoIntercept:   noIntercept,
 		AdminAddr:     nc.Listen.Admin,
 		MetricsAddr:   nc.Listen.Metrics,

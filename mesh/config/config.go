@@ -16,6 +16,7 @@ package config
 
 import (
 	"bytes"
+	"crypto/sha256"
 	"errors"
 	"fmt"
 	"io"
@@ -67,6 +68,7 @@ type Config struct {
 	Workloads             []Workload            `yaml:"workloads"`
 	Services              []Service             `yaml:"services"`
 	AuthorizationPolicies []AuthorizationPolicy `yaml:"authorizationPolicies"`
+	PeerAuthentications   []PeerAuthentication  `yaml:"peerAuthentications"`
 
 	// Path is the file the config was loaded from.
 	Path string `yaml:"-"`
@@ -76,6 +78,32 @@ type Config struct {
 
 	td       spiffeid.TrustDomain
 	policies []*policy.Policy
+	sum      [sha256.Size]byte
+}
+
+// Sum returns the SHA-256 of the content the config was parsed from: two
+// configs with the same Sum describe the same mesh.
+func (c *Config) Sum() [sha256.Size]byte { return c.sum }
+
+// MaxFileSize is the largest config file Load and Watch read: a larger
+// file is refused rather than read into memory and parsed.
+const MaxFileSize = 8 << 20
+
+// readFile reads path, refusing a file larger than MaxFileSize.
+func readFile(path string) ([]byte, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	data, err := io.ReadAll(io.LimitReader(f, MaxFileSize+1))
+	if err != nil {
+		return nil, err
+	}
+	if len(data) > MaxFileSize {
+		return nil, fmt.Errorf("%s: the file is larger than %d MiB; refusing to read it", path, MaxFileSize>>20)
+	}
+	return data, nil
 }
 
 // CAConfig is the built-in certificate authority.
@@ -131,12 +159,17 @@ type Workload struct {
 	CaptureLink string `yaml:"captureLink"`
 	// Mesh: the workload's traffic goes through the mesh (default true).
 	Mesh *bool `yaml:"mesh"`
-	// PeerAuthentication is STRICT or PERMISSIVE; the mesh default if
-	// empty.
+	// PeerAuthentication is STRICT or PERMISSIVE; if empty, the
+	// peerAuthentications that select the workload decide, else the mesh
+	// default. After Load it holds the workload's resolved mode.
 	PeerAuthentication string `yaml:"peerAuthentication"`
 	// ProbePorts are the ports the node's health probes reach the
 	// workload on: served from the node directly, even under STRICT.
 	ProbePorts []uint16 `yaml:"probePorts,port"`
+
+	// portModes is the resolved port-level mode (STRICT or PERMISSIVE)
+	// of some ports, from a peerAuthentications' portLevelMtls.
+	portModes map[uint16]string
 }
 
 // InMesh reports whether the workload is in the mesh (Mesh, default true).
@@ -170,14 +203,57 @@ type ServicePort struct {
 // {matchLabels: {app: echo}}.
 type Selector map[string]string
 
-// AuthorizationPolicy is an Istio AuthorizationPolicy (L4 fields).
+// AuthorizationPolicy is an Istio AuthorizationPolicy. HTTP fields and
+// actions an L4 proxy cannot enforce load with a warning (docs/config.md).
 type AuthorizationPolicy struct {
 	Name      string   `yaml:"name"`
 	Namespace string   `yaml:"namespace"`
 	Selector  Selector `yaml:"selector"`
-	// Action is ALLOW (the default) or DENY.
+	// Action is ALLOW (the default), DENY or AUDIT; CUSTOM is accepted and
+	// ignored with a warning.
 	Action string `yaml:"action"`
-	Rules  []Rule `yaml:"rules"`
+	// Provider is CUSTOM's external authorizer.
+	Provider *Provider `yaml:"provider"`
+	// TargetRef and TargetRefs attach the policy to a waypoint or gateway;
+	// such a policy is not for a node proxy and is ignored with a warning.
+	TargetRef  *TargetRef  `yaml:"targetRef"`
+	TargetRefs []TargetRef `yaml:"targetRefs"`
+	Rules      []Rule      `yaml:"rules"`
+}
+
+// Provider names a CUSTOM policy's external authorizer.
+type Provider struct {
+	Name string `yaml:"name"`
+}
+
+// TargetRef is an Istio policy target (a Gateway API reference).
+type TargetRef struct {
+	Group     string `yaml:"group"`
+	Kind      string `yaml:"kind"`
+	Name      string `yaml:"name"`
+	Namespace string `yaml:"namespace"`
+}
+
+// PeerAuthentication is an Istio PeerAuthentication: the mTLS mode of the
+// workloads it selects. In the root namespace without a selector it is
+// mesh-wide; in another namespace without a selector, namespace-wide;
+// with a selector, it applies to the selected workloads of its namespace
+// and may set modes per port.
+type PeerAuthentication struct {
+	Name      string   `yaml:"name"`
+	Namespace string   `yaml:"namespace"`
+	Selector  Selector `yaml:"selector"`
+	MTLS      MTLS     `yaml:"mtls"`
+	// PortLevelMTLS maps a workload port (as a string or a number) to its
+	// mode; it needs a selector.
+	PortLevelMTLS map[string]MTLS `yaml:"portLevelMtls"`
+}
+
+// MTLS is a peer-authentication mode: UNSET (or empty: inherit),
+// STRICT, PERMISSIVE or DISABLE (which an L4 node proxy treats as
+// PERMISSIVE, as ztunnel does).
+type MTLS struct {
+	Mode string `yaml:"mode"`
 }
 
 // Rule is one rule of a policy.
@@ -201,6 +277,9 @@ type To struct {
 	wrapped   bool
 }
 
+// l7Field is an HTTP field of a source or operation, where the file has it.
+type l7Field struct{ name, path string }
+
 // Source matches the peer of a connection.
 type Source struct {
 	Principals         []string         `yaml:"principals"`
@@ -211,12 +290,16 @@ type Source struct {
 	NotServiceAccounts []string         `yaml:"notServiceAccounts"`
 	IPBlocks           []policy.IPBlock `yaml:"ipBlocks"`
 	NotIPBlocks        []policy.IPBlock `yaml:"notIpBlocks"`
+
+	l7 []l7Field // requestPrincipals, remoteIpBlocks, …
 }
 
 // Operation matches the destination port of a connection.
 type Operation struct {
 	Ports    []uint16 `yaml:"ports,port"`
 	NotPorts []uint16 `yaml:"notPorts,port"`
+
+	l7 []l7Field // methods, paths, hosts, …
 }
 
 // Condition is one entry of a rule's when clause.
@@ -230,7 +313,7 @@ type Condition struct {
 // an Errors listing every problem, each with file, line and field, or a
 // plain error when the file cannot be read.
 func Load(path string) (*Config, error) {
-	data, err := os.ReadFile(path)
+	data, err := readFile(path)
 	if err != nil {
 		return nil, fmt.Errorf("config: %w", err)
 	}
@@ -265,7 +348,7 @@ func Parse(name string, data []byte) (*Config, error) {
 	}
 	d := newDecoder(file)
 	d.budget = 4*countNodes(root) + 1000
-	c := &Config{Path: name}
+	c := &Config{Path: name, sum: sha256.Sum256(data)}
 	d.decode(root, reflect.ValueOf(c).Elem(), "", "")
 	if len(d.errs) == 0 {
 		c.validate(d)
@@ -314,6 +397,15 @@ func (c *Config) Snapshot() (*registry.Snapshot, error) {
 		}
 		if w.PeerAuthentication == "STRICT" {
 			rw.PeerAuth = registry.Strict
+		}
+		for port, mode := range w.portModes {
+			if rw.PortPeerAuth == nil {
+				rw.PortPeerAuth = make(map[uint16]registry.PeerAuth, len(w.portModes))
+			}
+			rw.PortPeerAuth[port] = registry.Permissive
+			if mode == "STRICT" {
+				rw.PortPeerAuth[port] = registry.Strict
+			}
 		}
 		m.Workloads = append(m.Workloads, rw)
 	}

@@ -218,7 +218,7 @@ func TestErrors(t *testing.T) {
 		{"two documents", node + "---\n" + node, []string{`t.yaml:2: more than one YAML document; put everything in one`}},
 		{"not a mapping", "- a\n", []string{`t.yaml:1:1: expected a mapping, found a list`}},
 		{"unknown field", "trustDomian: x\n",
-			[]string{`t.yaml:1:1: trustDomian: unknown field "trustDomian" (known fields: authorizationPolicies, ca, clusterDomain, nodes, peerAuthentication, rootNamespace, services, trustDomain, workloads)`}},
+			[]string{`t.yaml:1:1: trustDomian: unknown field "trustDomian" (known fields: authorizationPolicies, ca, clusterDomain, nodes, peerAuthentication, peerAuthentications, rootNamespace, services, trustDomain, workloads)`}},
 		{"field twice", "trustDomain: a\ntrustDomain: b\n", []string{`t.yaml:2:1: trustDomain: field "trustDomain" appears twice`}},
 		{"nested unknown field", "nodes:\n  - name: n1\n    tun: {nmae: x}\n",
 			[]string{`t.yaml:3:11: nodes[0].tun.nmae: unknown field "nmae" (known fields: mtu, name, txQueueLen)`}},
@@ -251,8 +251,18 @@ func TestErrors(t *testing.T) {
 			[]string{`t.yaml:3:63: authorizationPolicies[0].rules[0].from[0].ipBlocks[0].cidr: is required`}},
 		{"ipBlock bad field", wl + "authorizationPolicies: [{name: p, rules: [{from: [{ipBlocks: [{cidr: 10.0.0.0/8, exclude: [10.1.0.0/16]}]}]}]}]\n",
 			[]string{`t.yaml:3:82: authorizationPolicies[0].rules[0].from[0].ipBlocks[0].exclude: unknown field "exclude" (known fields: cidr, except)`}},
-		{"L7 field", wl + "authorizationPolicies: [{name: p, rules: [{to: [{operation: {methods: [GET]}}]}]}]\n",
-			[]string{`t.yaml:3:62: authorizationPolicies[0].rules[0].to[0].operation.methods: methods is an HTTP (L7) match; meshtun enforces L4 authorization only`}},
+		{"L7 field of the wrong kind", wl + "authorizationPolicies: [{name: p, rules: [{to: [{operation: {methods: GET}}]}]}]\n",
+			[]string{`t.yaml:3:71: authorizationPolicies[0].rules[0].to[0].operation.methods: expected a list, found "GET"`}},
+		{"L7 field in the wrong place", wl + "authorizationPolicies: [{name: p, rules: [{from: [{source: {methods: [GET]}}]}]}]\n",
+			[]string{`t.yaml:3:61: authorizationPolicies[0].rules[0].from[0].source.methods: unknown field "methods" (known fields: ipBlocks, namespaces, notIpBlocks, notNamespaces, notPrincipals, notServiceAccounts, principals, serviceAccounts)`}},
+		{"portLevelMtls without selector", wl + "peerAuthentications: [{name: pa, portLevelMtls: {8080: {mode: DISABLE}}}]\n",
+			[]string{`t.yaml:3:49: peerAuthentications[0].portLevelMtls: needs a selector (as in Istio)`}},
+		{"peer authentication mode", wl + "peerAuthentications: [{name: pa, mtls: {mode: strict}}]\n",
+			[]string{`t.yaml:3:47: peerAuthentications[0].mtls.mode: unknown mode "strict" (want UNSET, STRICT, PERMISSIVE or DISABLE)`}},
+		{"port-level port", wl + "peerAuthentications: [{name: pa, selector: {app: a}, portLevelMtls: {http: {mode: STRICT}}}]\n",
+			[]string{`t.yaml:3:76: peerAuthentications[0].portLevelMtls.http: "http" is not a port number (1-65535)`}},
+		{"CUSTOM provider on ALLOW", wl + "authorizationPolicies: [{name: p, provider: {name: x}}]\n",
+			[]string{`t.yaml:3:45: authorizationPolicies[0].provider: is only for action CUSTOM`}},
 		{"source and fields mixed", wl + "authorizationPolicies: [{name: p, rules: [{from: [{source: {namespaces: [a]}, principals: [b]}]}]}]\n",
 			[]string{`t.yaml:3:51: authorizationPolicies[0].rules[0].from[0]: write either source: {…} or its fields directly, not both`}},
 
@@ -326,24 +336,21 @@ func TestErrors(t *testing.T) {
 			[]string{`t.yaml:3:106: services[0].trafficDistribution: unknown value "PreferClose" (want PreferSameNode, or nothing for any endpoint)`}},
 
 		{"unknown action", wl + "authorizationPolicies: [{name: p, action: PERMIT}]\n",
-			[]string{`t.yaml:3:43: authorizationPolicies[0].action: unknown action "PERMIT" (want ALLOW or DENY)`}},
-		{"audit action", wl + "authorizationPolicies: [{name: p, action: AUDIT}]\n",
-			[]string{`t.yaml:3:43: authorizationPolicies[0].action: action AUDIT is not supported (only ALLOW and DENY are)`}},
+			[]string{`t.yaml:3:43: authorizationPolicies[0].action: unknown action "PERMIT" (want ALLOW, DENY or AUDIT)`}},
 		{"duplicate policy", wl + "authorizationPolicies:\n  - {name: p}\n  - {name: p, namespace: default}\n",
 			[]string{`t.yaml:5:12: authorizationPolicies[1].name: policy default/p is already defined at line 4`}},
 		{"policy without name", wl + "authorizationPolicies: [{action: DENY}]\n",
 			[]string{`t.yaml:3:25: authorizationPolicies[0].name: is required`}},
-		{"policy rule errors (short form)", wl + "authorizationPolicies:\n  - name: p\n    rules:\n      - from: [{principals: [\"spiffe://cluster.local/ns/a/sa/b\"]}, {}]\n        to: [{notPorts: [80]}, {}]\n        when: [{key: remote.ip, values: [1.2.3.4]}, {key: source.ip}]\n",
+		{"policy rule errors (short form)", wl + "authorizationPolicies:\n  - name: p\n    rules:\n      - from: [{principals: [\"spiffe://cluster.local/ns/a/sa/b\"]}, {}]\n        to: [{notPorts: [80]}, {}]\n        when: [{key: source.nope, values: [1.2.3.4]}, {key: source.ip}]\n",
 			[]string{
 				`t.yaml:6:30: authorizationPolicies[0].rules[0].from[0].principals[0]: "spiffe://cluster.local/ns/a/sa/b": write principals without the spiffe:// prefix, as Istio does ("cluster.local/ns/a/sa/b")`,
 				`t.yaml:6:68: authorizationPolicies[0].rules[0].from[1]: source is empty: set at least one of principals, namespaces, serviceAccounts, ipBlocks or their not-forms (omit from to match any source)`,
 				`t.yaml:7:32: authorizationPolicies[0].rules[0].to[1]: operation is empty: set ports or notPorts (omit to to match any port)`,
-				`t.yaml:8:22: authorizationPolicies[0].rules[0].when[0].key: "remote.ip" is not supported at L4 (supported: source.ip, source.namespace, source.principal, destination.ip, destination.port)`,
-				`t.yaml:8:53: authorizationPolicies[0].rules[0].when[1]: set values or notValues`,
+				`t.yaml:8:22: authorizationPolicies[0].rules[0].when[0].key: "source.nope" is not a condition key (L4: source.ip, source.namespace, source.principal, destination.ip, destination.port; HTTP: request.*, remote.ip, connection.sni, experimental.*)`,
+				`t.yaml:8:55: authorizationPolicies[0].rules[0].when[1]: set values or notValues`,
 			}},
 		{"policy rule errors (Istio form)", wl + "authorizationPolicies:\n  - name: p\n    rules:\n      - from:\n          - source:\n              serviceAccounts: [client]\n              ipBlocks: [{cidr: 10.0.0.0/16, except: [10.1.0.0/24]}]\n          - source: {}\n        to:\n          - operation: {}\n",
 			[]string{
-				`t.yaml:8:33: authorizationPolicies[0].rules[0].from[0].source.serviceAccounts[0]: "client" is not <namespace>/<service account>`,
 				`t.yaml:9:55: authorizationPolicies[0].rules[0].from[0].source.ipBlocks[0].except[0]: 10.1.0.0/24 is not inside 10.0.0.0/16`,
 				`t.yaml:10:21: authorizationPolicies[0].rules[0].from[1].source: source is empty: set at least one of principals, namespaces, serviceAccounts, ipBlocks or their not-forms (omit from to match any source)`,
 				`t.yaml:12:24: authorizationPolicies[0].rules[0].to[0].operation: operation is empty: set ports or notPorts (omit to to match any port)`,
@@ -452,5 +459,163 @@ authorizationPolicies: [*ap, *ap, *ap, *ap, *ap, *ap, *ap, *ap, *ap, *ap, *ap, *
 	_, err := Parse("bomb.yaml", []byte(bomb))
 	if err == nil || !strings.Contains(err.Error(), "aliases expand the file too much") {
 		t.Errorf("Parse: %v", err)
+	}
+}
+
+// TestLoadTooLarge: a file over MaxFileSize is refused with an error that
+// names the file and the limit, before it is parsed.
+func TestLoadTooLarge(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "huge.yaml")
+	f, err := os.Create(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A valid file padded with a comment past the limit.
+	if _, err := f.WriteString(meshFile(1) + "#" + strings.Repeat("x", MaxFileSize) + "\n"); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	_, err = Load(p)
+	if err == nil || !strings.Contains(err.Error(), "huge.yaml: the file is larger than 8 MiB") {
+		t.Errorf("Load: %v, want a size error", err)
+	}
+}
+
+// TestSum: the same content has the same Sum, another content another.
+func TestSum(t *testing.T) {
+	a1, err1 := Parse("a.yaml", []byte(meshFile(1)))
+	a2, err2 := Parse("b.yaml", []byte(meshFile(1)))
+	b, err3 := Parse("a.yaml", []byte(meshFile(2)))
+	if err := errors.Join(err1, err2, err3); err != nil {
+		t.Fatal(err)
+	}
+	if a1.Sum() != a2.Sum() || a1.Sum() == b.Sum() {
+		t.Errorf("Sum: equal content %v, different content %v", a1.Sum() == a2.Sum(), a1.Sum() != b.Sum())
+	}
+}
+
+// TestIstioPoliciesLoad: policies Istio accepts but an L4 proxy cannot
+// fully enforce load, each with a warning naming the file, line and
+// field, and are enforced as Istio's ztunnel enforces them.
+func TestIstioPoliciesLoad(t *testing.T) {
+	const file = `nodes: [{name: n1}]
+workloads:
+  - {name: web, node: n1, addresses: [198.18.1.20], labels: {app: web}}
+authorizationPolicies:
+  - name: deny-get
+    action: DENY
+    rules:
+      - to: [{operation: {methods: [GET], ports: ["8080"]}}]
+  - name: allow-admin
+    selector: {matchLabels: {app: web}}
+    rules:
+      - from: [{source: {requestPrincipals: ["*"]}}]
+      - when: [{key: "request.headers[x-admin]", values: ["1"]}]
+  - name: audit-all
+    action: AUDIT
+    rules:
+      - from: [{source: {remoteIpBlocks: [203.0.113.0/24]}}]
+  - name: ext
+    action: CUSTOM
+    provider: {name: opa}
+    rules: [{}]
+  - name: waypoint-only
+    action: DENY
+    targetRefs: [{kind: Service, group: "", name: web}]
+    rules: [{}]
+  - name: allow-sa
+    namespace: default
+    rules: [{from: [{source: {serviceAccounts: [client]}}]}]
+`
+	c, err := Parse("istio.yaml", []byte(file))
+	if err != nil {
+		t.Fatalf("Parse: %v", err)
+	}
+	want := []string{
+		`istio.yaml:8:36: authorizationPolicies[0].rules[0].to[0].operation.methods: methods is an HTTP (L7) attribute, which an L4 proxy cannot see: this DENY rule is enforced on its L4 part alone (it denies more than asked, as in Istio ambient)`,
+		`istio.yaml:12:45: authorizationPolicies[1].rules[0].from[0].source.requestPrincipals: requestPrincipals is an HTTP (L7) attribute, which an L4 proxy cannot see: this ALLOW rule matches nothing (it allows less than asked, as in Istio ambient)`,
+		`istio.yaml:13:22: authorizationPolicies[1].rules[1].when[0].key: request.headers[x-admin] is an HTTP (L7) attribute, which an L4 proxy cannot see: this ALLOW rule matches nothing (it allows less than asked, as in Istio ambient)`,
+		`istio.yaml:17:42: authorizationPolicies[2].rules[0].from[0].source.remoteIpBlocks: remoteIpBlocks is an HTTP (L7) attribute, which an L4 proxy cannot see: this AUDIT rule is matched on its L4 part alone`,
+		`istio.yaml:19:13: authorizationPolicies[3].action: action CUSTOM (an external authorizer) is not supported: policy default/ext is ignored (its requests are not sent to any authorizer)`,
+		`istio.yaml:24:17: authorizationPolicies[4].targetRefs: policy default/waypoint-only targets a waypoint or gateway, not workloads: a node proxy ignores it`,
+	}
+	if !slices.Equal(c.Warnings, want) {
+		t.Errorf("warnings:\n%s\nwant:\n%s", strings.Join(c.Warnings, "\n"), strings.Join(want, "\n"))
+	}
+	snap, err := c.Snapshot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := len(snap.Policies); got != 4 {
+		t.Errorf("%d policies loaded, want 4 (CUSTOM and targetRefs ignored)", got)
+	}
+	client := spiffeid.RequireFromString("spiffe://cluster.local/ns/default/sa/client")
+	other := spiffeid.RequireFromString("spiffe://cluster.local/ns/default/sa/other")
+	for _, tc := range []struct {
+		peer  spiffeid.ID
+		dst   string
+		want  string
+		audit bool
+	}{
+		// The DENY's L4 part: any connection to 8080.
+		{client, "198.18.1.20:8080", "denied by policy default/deny-get", true},
+		// allow-admin allows nothing; allow-sa (serviceAccounts: [client],
+		// in the policy's namespace) allows the client.
+		{client, "198.18.1.20:9090", "allowed by policy default/allow-sa", true},
+		{other, "198.18.1.20:9090", "denied: no ALLOW policy matched", true},
+	} {
+		r := policy.Request{Peer: tc.peer, Source: netip.MustParseAddr("198.18.1.10"), Dest: netip.MustParseAddrPort(tc.dst)}
+		d := snap.Authorize(&r)
+		if d.String() != tc.want || (d.Audit != nil) != tc.audit {
+			t.Errorf("%s to %s: %v (audit %v), want %s (audit %v)", tc.peer, tc.dst, d, d.Audit, tc.want, tc.audit)
+		}
+	}
+}
+
+// TestPeerAuthentications: mesh-wide, namespace-wide and workload
+// peer authentications resolve as in Istio, with port-level modes.
+func TestPeerAuthentications(t *testing.T) {
+	const file = `nodes: [{name: n1}]
+workloads:
+  - {name: a, namespace: prod, node: n1, addresses: [198.18.1.20], labels: {app: a}}
+  - {name: b, namespace: prod, node: n1, addresses: [198.18.1.21], labels: {app: b}}
+  - {name: c, namespace: dev, node: n1, addresses: [198.18.1.22]}
+  - {name: d, namespace: test, node: n1, addresses: [198.18.1.23], peerAuthentication: PERMISSIVE}
+  - {name: e, namespace: test, node: n1, addresses: [198.18.1.24]}
+peerAuthentications:
+  - {name: mesh, namespace: istio-system, mtls: {mode: STRICT}}
+  - {name: dev, namespace: dev, mtls: {mode: PERMISSIVE}}
+  - name: a-ports
+    namespace: prod
+    selector: {matchLabels: {app: a}}
+    mtls: {mode: UNSET}
+    portLevelMtls:
+      "8080": {mode: DISABLE}
+      9090: {mode: STRICT}
+`
+	c, err := Parse("pa.yaml", []byte(file))
+	if err != nil {
+		t.Fatalf("Parse: %v", err)
+	}
+	snap, err := c.Snapshot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		dst     string
+		allowed bool
+	}{
+		{"198.18.1.20:8080", true},  // a: port 8080 DISABLE
+		{"198.18.1.20:9090", false}, // a: port 9090 STRICT
+		{"198.18.1.20:80", false},   // a: mesh-wide STRICT
+		{"198.18.1.21:8080", false}, // b: mesh-wide STRICT
+		{"198.18.1.22:80", true},    // c: namespace dev PERMISSIVE
+		{"198.18.1.23:80", true},    // d: its own field
+		{"198.18.1.24:80", false},   // e: mesh-wide STRICT
+	} {
+		r := policy.Request{Source: netip.MustParseAddr("198.18.1.10"), Dest: netip.MustParseAddrPort(tc.dst)}
+		if d := snap.Authorize(&r); d.Allowed != tc.allowed {
+			t.Errorf("plaintext to %s: %v, want allowed %v", tc.dst, d, tc.allowed)
+		}
 	}
 }

@@ -120,10 +120,16 @@ var (
 	toType       = reflect.TypeFor[To]()
 )
 
-// l7Fields are Istio fields that need HTTP; meshtun enforces L4 only.
-var l7Fields = map[string]bool{
-	"requestPrincipals": true, "notRequestPrincipals": true, "remoteIpBlocks": true, "notRemoteIpBlocks": true,
-	"hosts": true, "notHosts": true, "methods": true, "notMethods": true, "paths": true, "notPaths": true,
+// l7Fields are Istio's source and operation fields that need HTTP: they
+// are decoded (a list of strings) and kept by name, for validatePolicies
+// to treat as Istio's ztunnel does.
+var l7Fields = map[reflect.Type]map[string]bool{
+	reflect.TypeFor[Source](): {
+		"requestPrincipals": true, "notRequestPrincipals": true, "remoteIpBlocks": true, "notRemoteIpBlocks": true,
+	},
+	reflect.TypeFor[Operation](): {
+		"hosts": true, "notHosts": true, "methods": true, "notMethods": true, "paths": true, "notPaths": true,
+	},
 }
 
 // decode decodes n into v. opt is the ",option" of the field's yaml tag
@@ -324,8 +330,21 @@ func (d *decoder) decodeStruct(n *yaml.Node, v reflect.Value, path string) {
 		kp := join(path, k.Value)
 		f, ok := fields[k.Value]
 		switch {
-		case !ok && l7Fields[k.Value]:
-			d.errorAt(k, kp, "%s is an HTTP (L7) match; meshtun enforces L4 authorization only", k.Value)
+		case !ok && l7Fields[t][k.Value]:
+			if seen[k.Value] {
+				d.errorAt(k, kp, "field %q appears twice", k.Value)
+				continue
+			}
+			seen[k.Value] = true
+			var vals []string
+			d.decode(val, reflect.ValueOf(&vals).Elem(), kp, "")
+			f := l7Field{name: k.Value, path: kp}
+			switch x := v.Addr().Interface().(type) {
+			case *Source:
+				x.l7 = append(x.l7, f)
+			case *Operation:
+				x.l7 = append(x.l7, f)
+			}
 			continue
 		case !ok:
 			sort.Strings(names)

@@ -117,6 +117,143 @@ func (c *Config) validate(d *decoder) {
 	wls := c.validateWorkloads(d, nodes)
 	c.validateServices(d, wls)
 	c.validatePolicies(d)
+	c.validatePeerAuthentications(d)
+}
+
+// paMode checks an Istio mTLS mode and returns it as meshtun enforces it:
+// "" (inherit) for UNSET, PERMISSIVE for DISABLE (as ztunnel: a node
+// proxy still accepts HBONE).
+func paMode(d *decoder, path, mode string) string {
+	switch mode {
+	case "", "UNSET":
+		return ""
+	case "STRICT", "PERMISSIVE":
+		return mode
+	case "DISABLE":
+		return "PERMISSIVE"
+	}
+	d.errorf(path, "unknown mode %q (want UNSET, STRICT, PERMISSIVE or DISABLE)", mode)
+	return ""
+}
+
+// validatePeerAuthentications checks the peerAuthentications and resolves
+// each workload's mode as Istio does: the mesh default (the top-level
+// peerAuthentication), then a mesh-wide policy (root namespace, no
+// selector), a namespace-wide one (no selector), a workload one (with a
+// selector), each overriding the previous unless UNSET; then the
+// workload's own peerAuthentication field. A workload policy's
+// portLevelMtls sets modes per port. Where Istio picks the oldest of two
+// policies at one level, the first in the file wins, with a warning.
+func (c *Config) validatePeerAuthentications(d *decoder) {
+	type pa struct {
+		i     int
+		mode  string
+		ports map[uint16]string
+	}
+	var (
+		mesh *pa
+		ns   = map[string]*pa{}
+		wl   []*pa
+		seen = map[registry.WorkloadRef]int{}
+	)
+	for i := range c.PeerAuthentications {
+		a := &c.PeerAuthentications[i]
+		p := fmt.Sprintf("peerAuthentications[%d]", i)
+		if a.Namespace == "" {
+			a.Namespace = DefaultNamespace
+		} else if err := checkLabel(a.Namespace); err != nil {
+			d.errorf(p+".namespace", "%v", err)
+		}
+		ref := registry.WorkloadRef{Namespace: a.Namespace, Name: a.Name}
+		switch first, dup := seen[ref]; {
+		case a.Name == "":
+			d.errorf(p+".name", "is required")
+		case dup:
+			d.errorf(p+".name", "peer authentication %s is already defined at line %d", ref, d.at(fmt.Sprintf("peerAuthentications[%d]", first)).line)
+		default:
+			if err := checkSubdomain(a.Name); err != nil {
+				d.errorf(p+".name", "%v", err)
+			}
+			seen[ref] = i
+		}
+		e := &pa{i: i, mode: paMode(d, p+".mtls.mode", a.MTLS.Mode)}
+		if len(a.PortLevelMTLS) > 0 {
+			if len(a.Selector) == 0 {
+				d.errorf(p+".portLevelMtls", "needs a selector (as in Istio)")
+			}
+			e.ports = map[uint16]string{}
+			for k, m := range a.PortLevelMTLS {
+				kp := p + ".portLevelMtls." + k
+				port, err := strconv.ParseUint(k, 10, 16)
+				if err != nil || port == 0 {
+					d.errorf(kp, "%q is not a port number (1-65535)", k)
+					continue
+				}
+				if mode := paMode(d, kp+".mode", m.Mode); mode != "" {
+					e.ports[uint16(port)] = mode
+				}
+			}
+		}
+		var prev *pa
+		switch {
+		case len(a.Selector) > 0 && a.Namespace == c.RootNamespace:
+			d.warnf(p+".selector", "a peer authentication with a selector in the root namespace applies to nothing (as in Istio); leave out the selector for a mesh-wide one")
+			continue
+		case len(a.Selector) > 0:
+			wl = append(wl, e)
+			continue
+		case a.Namespace == c.RootNamespace:
+			prev = mesh
+			if prev == nil {
+				mesh = e
+			}
+		default:
+			prev = ns[a.Namespace]
+			if prev == nil {
+				ns[a.Namespace] = e
+			}
+		}
+		if prev != nil {
+			d.warnf(p, "ignored: %s (line %d) already sets the mode of the same scope", c.PeerAuthentications[prev.i].Name, d.at(fmt.Sprintf("peerAuthentications[%d]", prev.i)).line)
+		}
+	}
+	for i := range c.Workloads {
+		w := &c.Workloads[i]
+		mode := c.PeerAuthentication
+		if mesh != nil && mesh.mode != "" {
+			mode = mesh.mode
+		}
+		if e := ns[w.Namespace]; e != nil && e.mode != "" {
+			mode = e.mode
+		}
+		var sel *pa
+		for _, e := range wl {
+			a := &c.PeerAuthentications[e.i]
+			if a.Namespace != w.Namespace || !policy.SelectorMatches(a.Selector, w.Labels) {
+				continue
+			}
+			if sel != nil {
+				d.warnf(fmt.Sprintf("peerAuthentications[%d].selector", e.i), "workload %s/%s is already selected by %s (line %d), which decides its mode", w.Namespace, w.Name, c.PeerAuthentications[sel.i].Name, d.at(fmt.Sprintf("peerAuthentications[%d]", sel.i)).line)
+				continue
+			}
+			sel = e
+		}
+		if sel != nil && sel.mode != "" {
+			mode = sel.mode
+		}
+		if w.PeerAuthentication != "" {
+			mode = w.PeerAuthentication
+		}
+		w.PeerAuthentication = mode
+		if sel != nil {
+			for port, m := range sel.ports {
+				if w.portModes == nil {
+					w.portModes = map[uint16]string{}
+				}
+				w.portModes[port] = m
+			}
+		}
+	}
 }
 
 func (c *Config) validateNodes(d *decoder) map[string]int {
@@ -246,7 +383,7 @@ func (c *Config) validateWorkloads(d *decoder, nodes map[string]int) wlIndex {
 			d.errorf(p+".node", "node %q is not defined in nodes%s", w.Node, knownNodes(c))
 		}
 		if w.PeerAuthentication == "" {
-			w.PeerAuthentication = c.PeerAuthentication
+			// resolved by validatePeerAuthentications
 		} else if err := checkMode(w.PeerAuthentication); err != nil {
 			d.errorf(p+".peerAuthentication", "%v", err)
 		}
@@ -428,6 +565,31 @@ func policyPath(ap *AuthorizationPolicy, fp string) string {
 	return fp[:m[1]] + "." + key + fp[m[1]:]
 }
 
+// l7Effect says what a rule with HTTP attributes does under action, as
+// Istio's ztunnel enforces it.
+func l7Effect(a policy.Action) string {
+	switch a {
+	case policy.Deny:
+		return "this DENY rule is enforced on its L4 part alone (it denies more than asked, as in Istio ambient)"
+	case policy.Audit:
+		return "this AUDIT rule is matched on its L4 part alone"
+	}
+	return "this ALLOW rule matches nothing (it allows less than asked, as in Istio ambient)"
+}
+
+// qualifySAs turns Istio's "<service account>" (in the policy's
+// namespace) into "<namespace>/<service account>".
+func qualifySAs(ns string, sas []string) []string {
+	var out []string
+	for _, s := range sas {
+		if s != "" && !strings.Contains(s, "/") && !strings.Contains(s, "*") {
+			s = ns + "/" + s
+		}
+		out = append(out, s)
+	}
+	return out
+}
+
 func (c *Config) validatePolicies(d *decoder) {
 	seen := map[registry.WorkloadRef]int{}
 	for i := range c.AuthorizationPolicies {
@@ -454,26 +616,60 @@ func (c *Config) validatePolicies(d *decoder) {
 			ap.Action = "ALLOW"
 		}
 		action, err := policy.ParseAction(ap.Action)
-		if err != nil {
+		switch {
+		case errors.Is(err, policy.ErrCustom):
+			// As Istio's ztunnel: a CUSTOM policy is not loaded.
+			d.warnf(p+".action", "%v: policy %s/%s is ignored (its requests are not sent to any authorizer)", err, ap.Namespace, ap.Name)
+			continue
+		case err != nil:
 			d.errorf(p+".action", "%v", err)
+		case ap.Provider != nil:
+			d.errorf(p+".provider", "is only for action CUSTOM")
+		}
+		if ap.TargetRef != nil || len(ap.TargetRefs) > 0 {
+			// As Istio's ztunnel: such a policy is for a waypoint.
+			tp := p + ".targetRefs"
+			if ap.TargetRef != nil {
+				tp = p + ".targetRef"
+			}
+			d.warnf(tp, "policy %s/%s targets a waypoint or gateway, not workloads: a node proxy ignores it", ap.Namespace, ap.Name)
+			continue
 		}
 		pp := policy.Policy{Name: ap.Name, Namespace: ap.Namespace, Selector: ap.Selector, Action: action}
-		for _, r := range ap.Rules {
+		for ri, r := range ap.Rules {
 			var pr policy.Rule
+			var l7 []l7Field
 			for _, f := range r.From {
 				s := f.Source
-				pr.From = append(pr.From, policy.Source{
+				ps := policy.Source{
 					Principals: s.Principals, NotPrincipals: s.NotPrincipals,
 					Namespaces: s.Namespaces, NotNamespaces: s.NotNamespaces,
-					ServiceAccounts: s.ServiceAccounts, NotServiceAccounts: s.NotServiceAccounts,
-					IPBlocks: s.IPBlocks, NotIPBlocks: s.NotIPBlocks,
-				})
+					ServiceAccounts:    qualifySAs(ap.Namespace, s.ServiceAccounts),
+					NotServiceAccounts: qualifySAs(ap.Namespace, s.NotServiceAccounts),
+					IPBlocks:           s.IPBlocks, NotIPBlocks: s.NotIPBlocks,
+				}
+				for _, f := range s.l7 {
+					ps.L7 = append(ps.L7, f.name)
+				}
+				l7 = append(l7, s.l7...)
+				pr.From = append(pr.From, ps)
 			}
 			for _, t := range r.To {
-				pr.To = append(pr.To, policy.Operation{Ports: t.Operation.Ports, NotPorts: t.Operation.NotPorts})
+				po := policy.Operation{Ports: t.Operation.Ports, NotPorts: t.Operation.NotPorts}
+				for _, f := range t.Operation.l7 {
+					po.L7 = append(po.L7, f.name)
+				}
+				l7 = append(l7, t.Operation.l7...)
+				pr.To = append(pr.To, po)
 			}
-			for _, w := range r.When {
+			for wi, w := range r.When {
 				pr.When = append(pr.When, policy.Condition{Key: w.Key, Values: w.Values, NotValues: w.NotValues})
+				if policy.IsL7Key(w.Key) {
+					l7 = append(l7, l7Field{name: w.Key, path: fmt.Sprintf("%s.rules[%d].when[%d].key", p, ri, wi)})
+				}
+			}
+			for _, f := range l7 {
+				d.warnf(f.path, "%s is an HTTP (L7) attribute, which an L4 proxy cannot see: %s", f.name, l7Effect(action))
 			}
 			pp.Rules = append(pp.Rules, pr)
 		}

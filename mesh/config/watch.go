@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"path/filepath"
 	"strings"
 	"time"
@@ -48,7 +47,7 @@ func Watch(ctx context.Context, path string, onChange func(*Config), onError fun
 		lastErr string // the last read error reported
 	)
 	load := func() {
-		data, err := os.ReadFile(path)
+		data, err := readFile(path)
 		if err != nil {
 			if err.Error() != lastErr {
 				onError(fmt.Errorf("config: %w", err))

@@ -270,11 +270,18 @@ func (ca *CA) readRoot(certPath, keyPath string) (*x509.Certificate, error) {
 	if !ok || !pub.Equal(&ca.key.PublicKey) {
 		return nil, fmt.Errorf("identity: CA root certificate %s does not match the key in %s", certPath, keyPath)
 	}
-	if len(root.URIs) == 1 {
-		td, err := spiffeid.TrustDomainFromURI(root.URIs[0])
-		if err != nil || td != ca.td {
-			return nil, fmt.Errorf("identity: CA root certificate %s is for %s, want trust domain %s", certPath, root.URIs[0], ca.td)
-		}
+	// The root names its trust domain in its one URI SAN; a root that
+	// does not (none, several, or not a SPIFFE trust domain) could be any
+	// trust domain's, and is refused.
+	if len(root.URIs) != 1 {
+		return nil, fmt.Errorf("identity: CA root certificate %s has %d URI SANs, want exactly one naming its trust domain (spiffe://%s); cannot read its trust domain", certPath, len(root.URIs), ca.td)
+	}
+	td, err := spiffeid.TrustDomainFromURI(root.URIs[0])
+	if err != nil || td.ID().URL().String() != root.URIs[0].String() {
+		return nil, fmt.Errorf("identity: CA root certificate %s names %s, not a trust domain (want spiffe://%s); cannot read its trust domain", certPath, root.URIs[0], ca.td)
+	}
+	if td != ca.td {
+		return nil, fmt.Errorf("identity: CA root certificate %s is for %s, want trust domain %s", certPath, root.URIs[0], ca.td)
 	}
 	if now := ca.now(); now.After(root.NotAfter) {
 		return nil, fmt.Errorf("identity: CA root certificate %s expired at %s", certPath, root.NotAfter.Format(time.RFC3339))

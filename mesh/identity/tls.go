@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"slices"
 
 	"github.com/spiffe/go-spiffe/v2/bundle/x509bundle"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
@@ -50,6 +51,9 @@ func ClientTLS(src WorkloadSource, want spiffeid.ID) *tls.Config {
 	verify := cfg.VerifyPeerCertificate
 	cfg.VerifyPeerCertificate = func(raw [][]byte, chains [][]*x509.Certificate) error {
 		if err := verify(raw, chains); err != nil {
+			return fmt.Errorf("identity: server certificate rejected: %w", err)
+		}
+		if err := checkEKU(raw, x509.ExtKeyUsageServerAuth); err != nil {
 			return fmt.Errorf("identity: server certificate rejected: %w", err)
 		}
 		return nil
@@ -105,9 +109,38 @@ func ServerTLS(src ServerSource, td spiffeid.TrustDomain, pick func(local netip.
 			if err := verify(raw, chains); err != nil {
 				return fmt.Errorf("identity: client certificate rejected: %w", err)
 			}
+			if err := checkEKU(raw, x509.ExtKeyUsageClientAuth); err != nil {
+				return fmt.Errorf("identity: client certificate rejected: %w", err)
+			}
 			return nil
 		},
 	}
+}
+
+// checkEKU requires the peer's leaf certificate to name want in its
+// extended key usage: server auth for a server, client auth for a client.
+// go-spiffe verifies the chain for any usage; a certificate issued for one
+// purpose must not serve the other, and "any" or no usage at all is not
+// enough.
+func checkEKU(raw [][]byte, want x509.ExtKeyUsage) error {
+	if len(raw) == 0 {
+		return errors.New("no certificate")
+	}
+	leaf, err := x509.ParseCertificate(raw[0])
+	if err != nil {
+		return fmt.Errorf("leaf certificate: %w", err)
+	}
+	if !slices.Contains(leaf.ExtKeyUsage, want) {
+		return fmt.Errorf("leaf certificate lacks the %s extended key usage", ekuName(want))
+	}
+	return nil
+}
+
+func ekuName(u x509.ExtKeyUsage) string {
+	if u == x509.ExtKeyUsageServerAuth {
+		return "server auth"
+	}
+	return "client auth"
 }
 
 func authorizeClient(td spiffeid.TrustDomain) tlsconfig.Authorizer {

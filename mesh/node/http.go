@@ -109,8 +109,10 @@ type workloadDump struct {
 	Labels             map[string]string `json:"labels,omitempty"`
 	InMesh             bool              `json:"mesh"`
 	PeerAuthentication string            `json:"peerAuthentication"`
-	ProbePorts         []uint16          `json:"probePorts,omitempty"`
-	Identity           string            `json:"identity,omitempty"`
+	// PortPeerAuthentication is the port-level modes, port → mode.
+	PortPeerAuthentication map[uint16]string `json:"portPeerAuthentication,omitempty"`
+	ProbePorts             []uint16          `json:"probePorts,omitempty"`
+	Identity               string            `json:"identity,omitempty"`
 }
 
 type serviceDump struct {
@@ -135,6 +137,12 @@ func (n *node) configDump(w http.ResponseWriter, r *http.Request) {
 		wd := workloadDump{Name: wl.Name, Namespace: wl.Namespace, ServiceAccount: wl.ServiceAccount, Node: wl.Node,
 			Addresses: wl.Addresses, Labels: wl.Labels, InMesh: wl.InMesh, PeerAuthentication: wl.PeerAuth.String(),
 			ProbePorts: wl.ProbePorts}
+		for port, m := range wl.PortPeerAuth {
+			if wd.PortPeerAuthentication == nil {
+				wd.PortPeerAuthentication = make(map[uint16]string, len(wl.PortPeerAuth))
+			}
+			wd.PortPeerAuthentication[port] = m.String()
+		}
 		if wl.InMesh {
 			wd.Identity = wl.Identity.String()
 		}

@@ -5,6 +5,7 @@ package node
 
 import (
 	"context"
+	"crypto/sha256"
 	"crypto/tls"
 	"errors"
 	"fmt"
@@ -41,8 +42,13 @@ type Config struct {
 	CA identity.CAConfig
 	// ConfigPath, if set, is watched: a valid change replaces the mesh
 	// model (workloads, services, policies) without dropping established
-	// connections; node settings in it take effect at the next start.
+	// connections; node settings in it take effect at the next start, and
+	// a change of trust domain is refused until then.
 	ConfigPath string
+	// ConfigSum is the config.Config.Sum of the file Mesh was built from:
+	// the watcher applies a content that differs from it. Zero applies the
+	// first content the watcher reads.
+	ConfigSum [sha256.Size]byte
 	// NoIntercept leaves every packet verbatim: the TUN is in the path but
 	// no flow is proxied. For measuring the TUN path alone.
 	NoIntercept bool
@@ -60,6 +66,10 @@ type Config struct {
 
 // ReadyMessage is the log message Run writes once traffic is captured.
 const ReadyMessage = "node ready"
+
+// NoInterceptWarning is the warning Run logs when Config.NoIntercept is
+// set: the node is in the path but protects nothing.
+const NoInterceptWarning = "--no-intercept: NOTHING IS ENFORCED: no mTLS, no authorization, no STRICT peer authentication; every packet passes the TUN verbatim (for measuring the TUN path only)"
 
 // localWorkloads returns the mesh workloads of node name.
 func localWorkloads(s *registry.Snapshot, name string) []*registry.Workload {
@@ -179,11 +189,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	if err != nil {
 		return err
 	}
-	var policy classify.Policy = capturePolicy(n.reg, cfg.Name, nodeAddrs.Contains)
-	if cfg.NoIntercept {
-		policy = nil
-	}
-	n.cls = classify.New(classify.Config{Policy: policy})
+	n.cls = classify.New(classify.Config{Policy: interceptPolicy(n.reg, cfg, nodeAddrs.Contains, log)})
 	go n.cls.Run(runCtx, 5*time.Second)
 
 	n.px, err = proxy.New(runCtx, proxy.Config{
@@ -319,6 +325,16 @@ func (n *node) dataPlaneStats() metrics.DataPlaneStats {
 	return d
 }
 
+// interceptPolicy is the classifier's policy: capturePolicy, or nil (and a
+// loud warning) with NoIntercept.
+func interceptPolicy(reg *registry.Registry, cfg Config, fromNode func(netip.Addr) bool, log zerolog.Logger) classify.Policy {
+	if cfg.NoIntercept {
+		log.Warn().Str("node", cfg.Name).Msg(NoInterceptWarning)
+		return nil
+	}
+	return capturePolicy(reg, cfg.Name, fromNode)
+}
+
 // capturePolicy selects the SYNs the netstack takes: connections opened by
 // a local mesh workload (outbound), HBONE to a local mesh workload
 // (inbound), and plaintext to a local mesh workload that STRICT mode or an
@@ -340,8 +356,7 @@ func capturePolicy(reg *registry.Registry, node string, fromNode func(netip.Addr
 			if w.ProbePort(dst.Port()) && fromNode(src.Addr()) {
 				return false
 			}
-			deny, allow, strict := w.Policies()
-			return strict || len(deny) > 0 || len(allow) > 0
+			return w.Protected(dst.Port())
 		}
 		return false
 	})
@@ -351,40 +366,109 @@ func capturePolicy(reg *registry.Registry, node string, fromNode func(netip.Addr
 // a valid one, and has the proxy re-authorize its open connections. An
 // invalid file keeps the last good model.
 func watchConfig(ctx context.Context, path string, n *node, log zerolog.Logger) {
-	first := true
-	err := config.Watch(ctx, path, func(c *config.Config) {
-		if first { // Watch delivers the current file once it watches
-			first = false
-			return
-		}
-		snap, err := c.Snapshot()
-		if err != nil {
-			log.Error().Err(err).Str("config", path).Msg("config reload failed; keeping the last good model")
-			return
-		}
-		for _, w := range c.Warnings {
-			log.Warn().Str("config", path).Msg(w)
-		}
-		for _, w := range localWorkloads(snap, n.cfg.Name) {
-			if err := n.svids.Add(ctx, w.Identity); err != nil {
-				log.Error().Err(err).Str("workload", w.String()).Msg("certificate for a new local workload")
-			}
-		}
-		n.reg.Store(snap)
-		// Capture follows the node's workloads: pods added to this node
-		// are captured from now on (rules added before old ones go).
-		if nc, err := c.Node(n.cfg.Name); err != nil {
-			log.Error().Err(err).Str("config", path).Msg("config reload: this node is gone from the file; capture unchanged")
-		} else if err := n.routes.Update(nc.CaptureLinks, podPrefixes(localWorkloads(snap, n.cfg.Name))); err != nil {
-			log.Error().Err(err).Msg("config reload: update capture rules")
-		}
-		closed := n.px.Reauthorize()
-		log.Info().Str("config", path).Int("workloads", len(snap.Workloads)).Int("services", len(snap.Services)).
-			Int("policies", len(snap.Policies)).Int("connections_closed", closed).Msg("config reloaded")
-	}, func(err error) {
-		log.Error().Err(err).Str("config", path).Msg("config reload failed; keeping the last good model")
-	})
+	r := &reloader{
+		path: path, inForce: n.cfg.ConfigSum, td: n.cfg.Mesh.TrustDomain, log: log,
+		apply: func(c *config.Config, snap *registry.Snapshot) { n.apply(ctx, c, snap) },
+	}
+	err := config.Watch(ctx, path, r.onChange, r.onError)
 	if err != nil && !errors.Is(err, context.Canceled) {
 		log.Error().Err(err).Str("config", path).Msg("config watch stopped")
 	}
+}
+
+// reloader decides which configs the watcher delivers are applied: one
+// whose content differs from the config in force, that builds, and that
+// keeps the trust domain. It compares content, not the order of
+// deliveries, so that a change made between the start-up load and the
+// watch is applied, and a valid change after an invalid one too.
+type reloader struct {
+	path string
+	// inForce is the Sum of the config whose model is in force; the zero
+	// value (none known) matches no config.
+	inForce [sha256.Size]byte
+	// td is the trust domain of the running node: the CA, the SVIDs and
+	// the TLS verification are built for it.
+	td    spiffeid.TrustDomain
+	apply func(*config.Config, *registry.Snapshot)
+	log   zerolog.Logger
+}
+
+func (r *reloader) onChange(c *config.Config) {
+	if c.Sum() == r.inForce {
+		r.log.Debug().Str("config", r.path).Msg("config unchanged from the one in force")
+		return
+	}
+	snap, err := c.Snapshot()
+	if err != nil {
+		r.log.Error().Err(err).Str("config", r.path).Msg("config reload failed; keeping the last good model")
+		return
+	}
+	if snap.TrustDomain != r.td {
+		r.log.Error().Str("config", r.path).Str("trust_domain", snap.TrustDomain.String()).Str("in_force", r.td.String()).
+			Msgf("config reload refused: the trust domain changed from %s to %s, which needs a restart of the node; keeping the last good model", r.td, snap.TrustDomain)
+		return
+	}
+	for _, w := range c.Warnings {
+		r.log.Warn().Str("config", r.path).Msg(w)
+	}
+	r.apply(c, snap)
+	r.inForce = c.Sum()
+}
+
+func (r *reloader) onError(err error) {
+	r.log.Error().Err(err).Str("config", r.path).Msg("config reload failed; keeping the last good model")
+}
+
+// svidSet is the part of identity.Source that syncSVIDs uses.
+type svidSet interface {
+	IDs() []spiffeid.ID
+	Add(context.Context, spiffeid.ID) error
+	Remove(spiffeid.ID)
+}
+
+// syncSVIDs makes the local identities of src exactly want: it issues the
+// new ones and removes those no local workload has any more (their keys
+// are not kept, renewed or served). It returns how many it removed.
+func syncSVIDs(ctx context.Context, src svidSet, want []*registry.Workload, log zerolog.Logger) int {
+	keep := make(map[spiffeid.ID]bool, len(want))
+	for _, w := range want {
+		keep[w.Identity] = true
+		if err := src.Add(ctx, w.Identity); err != nil {
+			log.Error().Err(err).Str("workload", w.String()).Msg("certificate for a new local workload")
+		}
+	}
+	removed := 0
+	for _, id := range src.IDs() {
+		if !keep[id] {
+			src.Remove(id)
+			removed++
+			log.Info().Str("identity", id.String()).Msg("no local workload has this identity any more; its certificate is removed")
+		}
+	}
+	return removed
+}
+
+// apply installs a new mesh model from a reloaded config.
+func (n *node) apply(ctx context.Context, c *config.Config, snap *registry.Snapshot) {
+	path := c.Path
+	locals := localWorkloads(snap, n.cfg.Name)
+	// New identities first, so that a new workload can handshake at once;
+	// old ones go after the model that stops using them is in force.
+	for _, w := range locals {
+		if err := n.svids.Add(ctx, w.Identity); err != nil {
+			n.log.Error().Err(err).Str("workload", w.String()).Msg("certificate for a new local workload")
+		}
+	}
+	n.reg.Store(snap)
+	removed := syncSVIDs(ctx, n.svids, locals, n.log)
+	// Capture follows the node's workloads: pods added to this node
+	// are captured from now on (rules added before old ones go).
+	if nc, err := c.Node(n.cfg.Name); err != nil {
+		n.log.Error().Err(err).Str("config", path).Msg("config reload: this node is gone from the file; capture unchanged")
+	} else if err := n.routes.Update(nc.CaptureLinks, podPrefixes(locals)); err != nil {
+		n.log.Error().Err(err).Msg("config reload: update capture rules")
+	}
+	closed := n.px.Reauthorize()
+	n.log.Info().Str("config", path).Int("workloads", len(snap.Workloads)).Int("services", len(snap.Services)).
+		Int("policies", len(snap.Policies)).Int("certificates_removed", removed).Int("connections_closed", closed).Msg("config reloaded")
 }

@@ -203,9 +203,14 @@ func (m *matcher) matches(a *attrs) bool {
 // rule is a compiled Rule: every clause must have a matching matcher.
 type rule struct {
 	clauses [][]matcher
+	// never: an ALLOW rule with HTTP attributes, which matches nothing.
+	never bool
 }
 
 func (r *rule) matches(a *attrs) bool {
+	if r.never {
+		return false
+	}
 	for _, c := range r.clauses {
 		ok := false
 		for i := range c {
@@ -230,8 +235,21 @@ func (v *validator) add(path, reason string) {
 	v.errs = append(v.errs, &FieldError{Path: path, Reason: reason})
 }
 
-func (v *validator) rule(r *Rule, path string) rule {
+func (v *validator) rule(r *Rule, path string, action Action) rule {
 	var out rule
+	l7 := false
+	for i := range r.From {
+		l7 = l7 || len(r.From[i].L7) > 0
+	}
+	for i := range r.To {
+		l7 = l7 || len(r.To[i].L7) > 0
+	}
+	for i := range r.When {
+		l7 = l7 || IsL7Key(r.When[i].Key)
+	}
+	// An ALLOW rule with HTTP attributes matches nothing; other actions
+	// match on the L4 part (the HTTP parts match everything).
+	out.never = l7 && action == Allow
 	if len(r.From) > 0 {
 		c := make([]matcher, 0, len(r.From))
 		for i := range r.From {
@@ -354,6 +372,9 @@ func (v *validator) ports(ps []uint16, path string) []uint16 {
 func (v *validator) source(s *Source, path string) matcher {
 	if len(s.Principals)+len(s.NotPrincipals)+len(s.Namespaces)+len(s.NotNamespaces)+
 		len(s.ServiceAccounts)+len(s.NotServiceAccounts)+len(s.IPBlocks)+len(s.NotIPBlocks) == 0 {
+		if len(s.L7) > 0 {
+			return matcher{} // HTTP fields only: its L4 part matches anything
+		}
 		v.add(path, "source is empty: set at least one of principals, namespaces, serviceAccounts, ipBlocks or their not-forms (omit from to match any source)")
 		return matcher{}
 	}
@@ -371,6 +392,9 @@ func (v *validator) source(s *Source, path string) matcher {
 
 func (v *validator) operation(o *Operation, path string) matcher {
 	if len(o.Ports)+len(o.NotPorts) == 0 {
+		if len(o.L7) > 0 {
+			return matcher{} // HTTP fields only: its L4 part matches anything
+		}
 		v.add(path, "operation is empty: set ports or notPorts (omit to to match any port)")
 		return matcher{}
 	}
@@ -380,8 +404,19 @@ func (v *validator) operation(o *Operation, path string) matcher {
 // conditionKeys are the when keys an L4 policy can match.
 var conditionKeys = []string{"source.ip", "source.namespace", "source.principal", "destination.ip", "destination.port"}
 
+// IsL7Key reports whether key is one of Istio's condition keys that need
+// HTTP or an L7 proxy: request.*, remote.ip, connection.sni and
+// experimental.*. A rule with one is treated as the package doc says.
+func IsL7Key(key string) bool {
+	return strings.HasPrefix(key, "request.") || strings.HasPrefix(key, "experimental.") ||
+		key == "remote.ip" || key == "connection.sni"
+}
+
 func (v *validator) condition(c *Condition, path string) matcher {
 	var m matcher
+	if IsL7Key(c.Key) {
+		return m // matches anything; the rule knows it has HTTP attributes
+	}
 	if len(c.Values)+len(c.NotValues) == 0 {
 		v.add(path, "set values or notValues")
 	}
@@ -405,12 +440,7 @@ func (v *validator) condition(c *Condition, path string) matcher {
 	case "":
 		v.add(path+".key", "is required")
 	default:
-		switch {
-		case strings.HasPrefix(c.Key, "request."), strings.HasPrefix(c.Key, "experimental."):
-			v.add(path+".key", fmt.Sprintf("%q is an HTTP (L7) attribute; meshtun enforces L4 policies only (supported: %s)", c.Key, strings.Join(conditionKeys, ", ")))
-		default:
-			v.add(path+".key", fmt.Sprintf("%q is not supported at L4 (supported: %s)", c.Key, strings.Join(conditionKeys, ", ")))
-		}
+		v.add(path+".key", fmt.Sprintf("%q is not a condition key (L4: %s; HTTP: request.*, remote.ip, connection.sni, experimental.*)", c.Key, strings.Join(conditionKeys, ", ")))
 	}
 	return m
 }

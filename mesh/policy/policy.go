@@ -29,6 +29,17 @@
 // identity). So `notPrincipals: ["*"]` selects exactly the plaintext
 // requests, and a DENY policy with it is how Istio writes "require mTLS";
 // STRICT peer authentication (NewSet's strict) is that check, built in.
+//
+// An L4 proxy cannot see HTTP attributes. Policies that use them are
+// accepted and enforced as Istio's ztunnel enforces them: a Source or
+// Operation lists the HTTP fields it had in L7, and a condition's key may
+// be an HTTP attribute (IsL7Key). An ALLOW rule with any of them matches
+// nothing (it can only allow less); a DENY or AUDIT rule with them is
+// enforced on its L4 part alone, the HTTP parts matching everything (it
+// denies more than asked, never less).
+//
+// AUDIT policies do not change a decision: Evaluate reports the first
+// matching one in Decision.Audit, for the proxy to log.
 package policy
 
 import (
@@ -49,27 +60,43 @@ const (
 	Allow Action = iota
 	// Deny refuses a matching request, whatever any ALLOW policy says.
 	Deny
+	// Audit marks a matching request for the log; it neither allows nor
+	// denies.
+	Audit
 )
 
-// String returns "ALLOW" or "DENY".
+// String returns "ALLOW", "DENY" or "AUDIT".
 func (a Action) String() string {
-	if a == Deny {
+	switch a {
+	case Deny:
 		return "DENY"
+	case Audit:
+		return "AUDIT"
 	}
 	return "ALLOW"
 }
 
-// ParseAction parses "ALLOW" or "DENY" (as Istio spells them).
+// MarshalText returns String, so that dumps read "DENY", not 1.
+func (a Action) MarshalText() ([]byte, error) { return []byte(a.String()), nil }
+
+// ErrCustom is ParseAction's error for CUSTOM, Istio's action that asks an
+// external authorizer: there is none at L4.
+var ErrCustom = errors.New("action CUSTOM (an external authorizer) is not supported")
+
+// ParseAction parses "ALLOW", "DENY" or "AUDIT" (as Istio spells them).
+// "CUSTOM" returns ErrCustom.
 func ParseAction(s string) (Action, error) {
 	switch s {
 	case "ALLOW":
 		return Allow, nil
 	case "DENY":
 		return Deny, nil
-	case "AUDIT", "CUSTOM":
-		return 0, fmt.Errorf("action %s is not supported (only ALLOW and DENY are)", s)
+	case "AUDIT":
+		return Audit, nil
+	case "CUSTOM":
+		return 0, ErrCustom
 	}
-	return 0, fmt.Errorf("unknown action %q (want ALLOW or DENY)", s)
+	return 0, fmt.Errorf("unknown action %q (want ALLOW, DENY or AUDIT)", s)
 }
 
 // IPBlock is a CIDR with exceptions, like a Kubernetes NetworkPolicy
@@ -159,6 +186,10 @@ type Source struct {
 	ServiceAccounts, NotServiceAccounts []string
 	// IPBlocks match the source address of the connection.
 	IPBlocks, NotIPBlocks []IPBlock
+	// L7 names the HTTP fields the source had in the policy
+	// (requestPrincipals, remoteIpBlocks, …): an L4 proxy cannot match
+	// them (see the package doc).
+	L7 []string
 }
 
 // Operation matches the destination of a request: at L4, its port. Ports
@@ -166,12 +197,17 @@ type Source struct {
 // not the service port).
 type Operation struct {
 	Ports, NotPorts []uint16
+	// L7 names the HTTP fields the operation had in the policy (methods,
+	// paths, hosts, …): an L4 proxy cannot match them (see the package
+	// doc).
+	L7 []string
 }
 
 // Condition is one entry of a rule's when clause: the request attribute
 // named by Key must have one of Values (if any) and none of NotValues.
 // Supported keys: source.ip, source.namespace, source.principal,
-// destination.ip, destination.port.
+// destination.ip, destination.port; HTTP keys (IsL7Key) are accepted and
+// treated as the package doc says.
 type Condition struct {
 	Key       string
 	Values    []string
@@ -258,7 +294,7 @@ func New(p Policy) (*Policy, error) {
 	if p.Namespace == "" {
 		v.add("namespace", "is required")
 	}
-	if p.Action != Allow && p.Action != Deny {
+	if p.Action != Allow && p.Action != Deny && p.Action != Audit {
 		v.add("action", fmt.Sprintf("unknown action %d", p.Action))
 	}
 	for k := range p.Selector {
@@ -268,7 +304,7 @@ func New(p Policy) (*Policy, error) {
 	}
 	p.rules = make([]rule, 0, len(p.Rules))
 	for i := range p.Rules {
-		p.rules = append(p.rules, v.rule(&p.Rules[i], fmt.Sprintf("rules[%d]", i)))
+		p.rules = append(p.rules, v.rule(&p.Rules[i], fmt.Sprintf("rules[%d]", i), p.Action))
 	}
 	if len(v.errs) > 0 {
 		return nil, &ValidationError{Policy: p.Namespace + "/" + p.Name, Fields: v.errs}
@@ -358,6 +394,9 @@ type Decision struct {
 	// Policy is the policy that decided: the matching DENY or ALLOW
 	// policy; nil for the other reasons.
 	Policy *Policy
+	// Audit is the first AUDIT policy that matched, or nil; it does not
+	// change the decision.
+	Audit *Policy
 }
 
 // String describes the decision for logs: "allowed by policy ns/name",
@@ -385,8 +424,11 @@ func (d Decision) String() string {
 // Set is the policies that apply to one workload, ready to evaluate. The
 // zero Set allows everything.
 type Set struct {
-	deny, allow []*Policy
-	strict      bool
+	deny, allow, audit []*Policy
+	strict             bool
+	// ports overrides strict for some destination ports (port-level
+	// peer authentication): port → strict.
+	ports map[uint16]bool
 }
 
 // NewSet keeps the policies of ps (built by New) in their order, DENY
@@ -398,17 +440,41 @@ func NewSet(ps []*Policy, strict bool) (Set, error) {
 		if p == nil || !p.built {
 			return Set{}, errors.New("policy: NewSet: policy not built by New")
 		}
-		if p.Action == Deny {
+		switch p.Action {
+		case Deny:
 			s.deny = append(s.deny, p)
-		} else {
+		case Audit:
+			s.audit = append(s.audit, p)
+		default:
 			s.allow = append(s.allow, p)
 		}
 	}
 	return s, nil
 }
 
-// Strict reports whether the set requires a verified peer identity.
+// WithPorts returns s with port-level peer authentication: for a request
+// to a port in ports, ports[port] (true: STRICT) replaces the set's mode.
+// ports must not be modified afterwards.
+func (s Set) WithPorts(ports map[uint16]bool) Set {
+	s.ports = ports
+	return s
+}
+
+// Strict reports whether the set requires a verified peer identity on
+// ports without a port-level mode.
 func (s *Set) Strict() bool { return s.strict }
+
+// StrictOn reports whether the set requires a verified peer identity on
+// port.
+func (s *Set) StrictOn(port uint16) bool {
+	if v, ok := s.ports[port]; ok {
+		return v
+	}
+	return s.strict
+}
+
+// Audits returns the set's AUDIT policies. Do not modify them.
+func (s *Set) Audits() []*Policy { return s.audit }
 
 // Policies returns the set's DENY and ALLOW policies. Do not modify them.
 func (s *Set) Policies() (deny, allow []*Policy) { return s.deny, s.allow }
@@ -418,21 +484,28 @@ func (s *Set) Policies() (deny, allow []*Policy) { return s.deny, s.allow }
 // otherwise r is denied. It does not allocate.
 func (s *Set) Evaluate(r *Request) Decision {
 	a := attrsOf(r)
-	if s.strict && !a.hasPeer {
-		return Decision{Reason: StrictNoIdentity}
+	var audit *Policy
+	for _, p := range s.audit {
+		if p.matches(&a) {
+			audit = p
+			break
+		}
+	}
+	if !a.hasPeer && s.StrictOn(a.port) {
+		return Decision{Reason: StrictNoIdentity, Audit: audit}
 	}
 	for _, p := range s.deny {
 		if p.matches(&a) {
-			return Decision{Reason: DenyMatched, Policy: p}
+			return Decision{Reason: DenyMatched, Policy: p, Audit: audit}
 		}
 	}
 	if len(s.allow) == 0 {
-		return Decision{Allowed: true, Reason: NoAllowPolicy}
+		return Decision{Allowed: true, Reason: NoAllowPolicy, Audit: audit}
 	}
 	for _, p := range s.allow {
 		if p.matches(&a) {
-			return Decision{Allowed: true, Reason: AllowMatched, Policy: p}
+			return Decision{Allowed: true, Reason: AllowMatched, Policy: p, Audit: audit}
 		}
 	}
-	return Decision{Reason: NoAllowMatched}
+	return Decision{Reason: NoAllowMatched, Audit: audit}
 }

@@ -1,6 +1,7 @@
 package policy
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -467,10 +468,8 @@ func TestNewValidation(t *testing.T) {
 			[]string{`ipBlocks[0]: no CIDR`}},
 		{"port 0", Policy{Name: "n", Namespace: "d", Rules: []Rule{{To: []Operation{{Ports: []uint16{80, 0}}}}}},
 			[]string{`rules[0].to[0].ports[1]: 0 is not a port number`}},
-		{"condition L7", Policy{Name: "n", Namespace: "d", Rules: []Rule{{When: []Condition{{Key: "request.headers[x]", Values: []string{"a"}}}}}},
-			[]string{`rules[0].when[0].key: "request.headers[x]" is an HTTP (L7) attribute`}},
-		{"condition unknown", Policy{Name: "n", Namespace: "d", Rules: []Rule{{When: []Condition{{Key: "remote.ip", Values: []string{"1.2.3.4"}}}}}},
-			[]string{`rules[0].when[0].key: "remote.ip" is not supported at L4`}},
+		{"condition unknown", Policy{Name: "n", Namespace: "d", Rules: []Rule{{When: []Condition{{Key: "source.nope", Values: []string{"1.2.3.4"}}}}}},
+			[]string{`rules[0].when[0].key: "source.nope" is not a condition key`}},
 		{"condition no key", Policy{Name: "n", Namespace: "d", Rules: []Rule{{When: []Condition{{Values: []string{"1.2.3.4"}}}}}},
 			[]string{`rules[0].when[0].key: is required`}},
 		{"condition no values", Policy{Name: "n", Namespace: "d", Rules: []Rule{{When: []Condition{{Key: "source.ip"}}}}},
@@ -562,7 +561,7 @@ func TestParsePrefix(t *testing.T) {
 }
 
 func TestActionParse(t *testing.T) {
-	for in, want := range map[string]string{"ALLOW": "ALLOW", "DENY": "DENY", "allow": "unknown action", "AUDIT": "not supported", "CUSTOM": "not supported", "": "unknown action"} {
+	for in, want := range map[string]string{"ALLOW": "ALLOW", "DENY": "DENY", "allow": "unknown action", "AUDIT": "AUDIT", "CUSTOM": "CUSTOM (an external authorizer) is not supported", "": "unknown action"} {
 		a, err := ParseAction(in)
 		got := ""
 		if err != nil {
@@ -612,5 +611,114 @@ func BenchmarkEvaluate(b *testing.B) {
 	b.ReportAllocs()
 	for b.Loop() {
 		s.Evaluate(r)
+	}
+}
+
+// TestL7Rules: as in Istio's ztunnel, an ALLOW rule with HTTP attributes
+// matches nothing, a DENY or AUDIT rule with them matches on its L4 part
+// (the HTTP parts matching everything).
+func TestL7Rules(t *testing.T) {
+	client := spiffeid.RequireFromString("spiffe://cluster.local/ns/default/sa/client")
+	other := spiffeid.RequireFromString("spiffe://cluster.local/ns/other/sa/x")
+	dst := netip.MustParseAddrPort("198.18.1.20:8080")
+	req := func(peer spiffeid.ID, port uint16) *Request {
+		return &Request{Peer: peer, Source: netip.MustParseAddr("198.18.1.10"), Dest: netip.AddrPortFrom(dst.Addr(), port)}
+	}
+	getOnly := Operation{L7: []string{"methods"}}
+	ns := Source{Namespaces: []string{"default"}, L7: []string{"requestPrincipals"}}
+	header := Condition{Key: "request.headers[x-user]", Values: []string{"admin"}}
+	for _, tc := range []struct {
+		name   string
+		action Action
+		rule   Rule
+		req    *Request
+		want   bool
+	}{
+		{"allow methods only", Allow, Rule{To: []Operation{getOnly}}, req(client, 8080), false},
+		{"allow ports and paths", Allow, Rule{To: []Operation{{Ports: []uint16{8080}, L7: []string{"paths"}}}}, req(client, 8080), false},
+		{"allow header condition", Allow, Rule{From: []Source{{Namespaces: []string{"default"}}}, When: []Condition{header}}, req(client, 8080), false},
+		{"deny methods only", Deny, Rule{To: []Operation{getOnly}}, req(client, 8080), true},
+		{"deny methods on a port", Deny, Rule{To: []Operation{{Ports: []uint16{9090}, L7: []string{"methods"}}}}, req(client, 8080), false},
+		{"deny methods on the port", Deny, Rule{To: []Operation{{Ports: []uint16{8080}, L7: []string{"methods"}}}}, req(client, 8080), true},
+		{"deny namespace and requestPrincipals", Deny, Rule{From: []Source{ns}}, req(client, 8080), true},
+		{"deny namespace and requestPrincipals, other ns", Deny, Rule{From: []Source{ns}}, req(other, 8080), false},
+		{"deny remoteIpBlocks only", Deny, Rule{From: []Source{{L7: []string{"remoteIpBlocks"}}}}, req(other, 8080), true},
+		{"deny header condition", Deny, Rule{When: []Condition{header}}, req(client, 8080), true},
+		{"deny header and port condition", Deny, Rule{When: []Condition{header, {Key: "destination.port", Values: []string{"9090"}}}}, req(client, 8080), false},
+		{"audit methods only", Audit, Rule{To: []Operation{getOnly}}, req(client, 8080), true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := mustNew(t, Policy{Name: "p", Namespace: "default", Action: tc.action, Rules: []Rule{tc.rule}})
+			if got := p.Matches(tc.req); got != tc.want {
+				t.Errorf("Matches = %v, want %v", got, tc.want)
+			}
+		})
+	}
+	// An ALLOW policy whose only rule has HTTP attributes still applies:
+	// it allows nothing, so the workload denies everything.
+	allowGet := mustNew(t, Policy{Name: "allow-get", Namespace: "default", Rules: []Rule{{To: []Operation{getOnly}}}})
+	s, err := NewSet([]*Policy{allowGet}, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d := s.Evaluate(req(client, 8080)); d.Allowed || d.Reason != NoAllowMatched {
+		t.Errorf("Evaluate = %v, want denied: no ALLOW policy matched", d)
+	}
+}
+
+// TestAudit: a matching AUDIT policy is reported and changes nothing.
+func TestAudit(t *testing.T) {
+	audit := mustNew(t, Policy{Name: "audit-9090", Namespace: "default", Action: Audit, Rules: []Rule{{To: []Operation{{Ports: []uint16{9090}}}}}})
+	deny := mustNew(t, Policy{Name: "deny-9090", Namespace: "default", Action: Deny, Rules: []Rule{{To: []Operation{{Ports: []uint16{9090}}}}}})
+	r := &Request{Peer: spiffeid.RequireFromString("spiffe://cluster.local/ns/default/sa/client"),
+		Source: netip.MustParseAddr("198.18.1.10"), Dest: netip.MustParseAddrPort("198.18.1.20:9090")}
+	s, _ := NewSet([]*Policy{audit}, false)
+	if d := s.Evaluate(r); !d.Allowed || d.Reason != NoAllowPolicy || d.Audit != audit {
+		t.Errorf("audit only: %v (audit %v), want allowed: no ALLOW policy applies, audited", d, d.Audit)
+	}
+	s, _ = NewSet([]*Policy{audit, deny}, false)
+	if d := s.Evaluate(r); d.Allowed || d.Policy != deny || d.Audit != audit {
+		t.Errorf("audit and deny: %v (audit %v), want denied by deny-9090, audited", d, d.Audit)
+	}
+	r.Dest = netip.MustParseAddrPort("198.18.1.20:8080")
+	if d := s.Evaluate(r); !d.Allowed || d.Audit != nil {
+		t.Errorf("other port: %v (audit %v), want allowed, not audited", d, d.Audit)
+	}
+}
+
+// TestPortLevelStrict: port-level peer authentication overrides the
+// workload's mode on its ports, both ways.
+func TestPortLevelStrict(t *testing.T) {
+	plain := func(port uint16) *Request {
+		return &Request{Source: netip.MustParseAddr("198.18.1.10"), Dest: netip.AddrPortFrom(netip.MustParseAddr("198.18.1.20"), port)}
+	}
+	strict, _ := NewSet(nil, true)
+	strict = strict.WithPorts(map[uint16]bool{8080: false})
+	if d := strict.Evaluate(plain(8080)); !d.Allowed {
+		t.Errorf("STRICT with port 8080 PERMISSIVE, plaintext to 8080: %v", d)
+	}
+	if d := strict.Evaluate(plain(9090)); d.Allowed || d.Reason != StrictNoIdentity {
+		t.Errorf("STRICT with port 8080 PERMISSIVE, plaintext to 9090: %v", d)
+	}
+	perm, _ := NewSet(nil, false)
+	perm = perm.WithPorts(map[uint16]bool{9090: true})
+	if d := perm.Evaluate(plain(9090)); d.Allowed || d.Reason != StrictNoIdentity {
+		t.Errorf("PERMISSIVE with port 9090 STRICT, plaintext to 9090: %v", d)
+	}
+	if d := perm.Evaluate(plain(8080)); !d.Allowed {
+		t.Errorf("PERMISSIVE with port 9090 STRICT, plaintext to 8080: %v", d)
+	}
+	if !perm.StrictOn(9090) || perm.StrictOn(8080) {
+		t.Errorf("StrictOn(9090) = %v, StrictOn(8080) = %v", perm.StrictOn(9090), perm.StrictOn(8080))
+	}
+}
+
+// TestActionJSON: dumps name the action.
+func TestActionJSON(t *testing.T) {
+	for a, want := range map[Action]string{Allow: `"ALLOW"`, Deny: `"DENY"`, Audit: `"AUDIT"`} {
+		b, err := json.Marshal(a)
+		if err != nil || string(b) != want {
+			t.Errorf("json of %v: %s, %v; want %s", a, b, err, want)
+		}
 	}
 }

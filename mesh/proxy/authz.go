@@ -17,6 +17,10 @@ type deniedError struct{ d policy.Decision }
 
 func (e *deniedError) Error() string { return e.d.String() }
 
+// AuditMessage is the log message of a connection an AUDIT policy
+// matched; the policy's namespace/name is its "policy" field.
+const AuditMessage = "audit policy matched"
+
 // authorized is a connection the destination's policies allowed.
 type authorized struct{ req policy.Request }
 
@@ -26,7 +30,12 @@ type authorized struct{ req policy.Request }
 // The result is re-evaluated on policy changes.
 func (p *Proxy) authorize(snap *registry.Snapshot, peer spiffeid.ID, src netip.Addr, dst netip.AddrPort) (*authorized, error) {
 	r := policy.Request{Peer: peer, Source: src, Dest: dst}
-	if d := snap.Authorize(&r); !d.Allowed {
+	d := snap.Authorize(&r)
+	if d.Audit != nil {
+		p.log.Info().Str("policy", d.Audit.ID()).Str("src.addr", src.String()).Str("dst.addr", dst.String()).
+			Str("src.identity", peer.String()).Bool("allowed", d.Allowed).Msg(AuditMessage)
+	}
+	if !d.Allowed {
 		return nil, &deniedError{d}
 	}
 	return &authorized{req: r}, nil

@@ -41,7 +41,7 @@ func (p *Proxy) connect(ctx context.Context, r *hbone.Request) (net.Conn, error)
 	dst := snap.Workload(r.Target.Addr())
 	srcAddr, src := p.inboundSource(snap, r)
 	rec := p.newRecord(srcAddr, r.Target, src, dst, "inbound", "hbone")
-	rec.srcID, rec.hboneAddr, rec.service = r.Peer.String(), r.LocalAddr.String(), r.Forwarded.Host
+	rec.srcID, rec.hboneAddr, rec.service = r.Peer.String(), r.LocalAddr.String(), serviceName(snap, r.Forwarded.Host)
 	fail := func(kind error, err error) (net.Conn, error) {
 		err = fmt.Errorf("%w: %w", kind, err)
 		rec.refused(err)
@@ -64,9 +64,13 @@ func (p *Proxy) connect(ctx context.Context, r *hbone.Request) (net.Conn, error)
 	if ns == nil {
 		return fail(hbone.ErrUnreachable, errNotReady)
 	}
-	up, err := ns.DialTCP(ctx, srcAddr, r.Target)
+	// The workload may never answer (a SYN dropped by its firewall): the
+	// dial, and the stream waiting for its 200, end after ConnectTimeout.
+	dctx, cancel := context.WithTimeout(ctx, p.cfg.ConnectTimeout)
+	defer cancel()
+	up, err := ns.DialTCP(dctx, srcAddr, r.Target)
 	if err != nil && srcAddr.Port() != 0 && errors.Is(err, syscall.EADDRINUSE) {
-		up, err = ns.DialTCP(ctx, netip.AddrPortFrom(srcAddr.Addr(), 0), r.Target)
+		up, err = ns.DialTCP(dctx, netip.AddrPortFrom(srcAddr.Addr(), 0), r.Target)
 	}
 	if err != nil {
 		return fail(hbone.ErrUnreachable, err)
@@ -79,6 +83,24 @@ func (p *Proxy) connect(ctx context.Context, r *hbone.Request) (net.Conn, error)
 		rec.done(sent, recv, reset)
 	}
 	return cc, nil
+}
+
+// UnknownService is the dst.service (log and metric label) of an inbound
+// request whose forwarded host is no service the mesh knows.
+const UnknownService = "unknown"
+
+// serviceName returns the service name an inbound request's forwarded
+// host may put in logs and metric labels: the peer chooses the host, so
+// only a hostname of a known service is repeated (else UnknownService),
+// which bounds the label's values to the mesh's services.
+func serviceName(snap *registry.Snapshot, host string) string {
+	switch {
+	case host == "":
+		return ""
+	case snap.ServiceByHostname(host) != nil:
+		return host
+	}
+	return UnknownService
 }
 
 // TLSFailure reports an HBONE connection refused before any request (a

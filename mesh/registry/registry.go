@@ -74,6 +74,9 @@ type Workload struct {
 	// mesh is known (for services and policy) but reached in plaintext.
 	InMesh   bool
 	PeerAuth PeerAuth
+	// PortPeerAuth overrides PeerAuth on some of the workload's ports
+	// (port-level peer authentication).
+	PortPeerAuth map[uint16]PeerAuth
 	// Health decides whether services pick the workload as an endpoint.
 	Health Health
 	// ProbePorts are the ports the workload serves health probes on: the
@@ -118,6 +121,14 @@ func (w *Workload) ProbePort(port uint16) bool {
 func (w *Workload) Policies() (deny, allow []*policy.Policy, strict bool) {
 	d, a := w.authz.Policies()
 	return d, a, w.authz.Strict()
+}
+
+// Protected reports whether plaintext to the workload's port must be
+// intercepted: the port requires STRICT peer authentication, or an
+// authorization policy (ALLOW, DENY or AUDIT) applies to the workload.
+func (w *Workload) Protected(port uint16) bool {
+	d, a := w.authz.Policies()
+	return w.authz.StrictOn(port) || len(d) > 0 || len(a) > 0 || len(w.authz.Audits()) > 0
 }
 
 // ServicePort is one port of a service.
@@ -237,6 +248,7 @@ type Snapshot struct {
 	svcByDest *addrTable[svcPort]  // VIP and service port
 	svcByVIP  *addrTable[*Service] // port 0
 	svcByName map[WorkloadRef]*Service
+	svcByHost map[string]*Service
 }
 
 type svcPort struct {
@@ -333,6 +345,13 @@ func Build(m Model) (*Snapshot, error) {
 		if err != nil {
 			return nil, fmt.Errorf("registry: workload %s: %w", &w, err)
 		}
+		if len(w.PortPeerAuth) > 0 {
+			ports := make(map[uint16]bool, len(w.PortPeerAuth))
+			for p, m := range w.PortPeerAuth {
+				ports[p] = m == Strict
+			}
+			w.authz = w.authz.WithPorts(ports)
+		}
 		wp := &w
 		for _, a := range w.Addresses {
 			a = a.Unmap()
@@ -367,6 +386,12 @@ func (s *Snapshot) addService(svc *Service, suffix string, byNS map[string][]*Wo
 	}
 	if svc.Hostname == "" {
 		svc.Hostname = svc.Name + "." + svc.Namespace + ".svc." + suffix
+	}
+	if s.svcByHost == nil {
+		s.svcByHost = make(map[string]*Service)
+	}
+	if _, dup := s.svcByHost[svc.Hostname]; !dup {
+		s.svcByHost[svc.Hostname] = svc
 	}
 	for i := range svc.Ports {
 		if svc.Ports[i].Port == 0 {
@@ -468,6 +493,11 @@ func (s *Snapshot) ServiceByVIP(a netip.Addr) *Service {
 	}
 	svc, _ := s.svcByVIP.get(a, 0)
 	return svc
+}
+
+// ServiceByHostname returns the service whose Hostname is host, or nil.
+func (s *Snapshot) ServiceByHostname(host string) *Service {
+	return s.svcByHost[host]
 }
 
 // ServiceByName returns the service namespace/name, or nil.

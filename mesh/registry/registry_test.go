@@ -605,3 +605,33 @@ func BenchmarkBuild(b *testing.B) {
 		}
 	}
 }
+
+// TestPortPeerAuth: a workload's port-level modes decide plaintext on
+// those ports, and Protected says which ports the node must intercept.
+func TestPortPeerAuth(t *testing.T) {
+	w := wl("default", "web", "n1", nil, "198.18.1.20")
+	w.PeerAuth = Strict
+	w.PortPeerAuth = map[uint16]PeerAuth{8080: Permissive}
+	p := wl("default", "plain", "n1", nil, "198.18.1.21")
+	p.PortPeerAuth = map[uint16]PeerAuth{9090: Strict}
+	s := mustBuild(t, Model{TrustDomain: td, Workloads: []*Workload{w, p}})
+	src := netip.MustParseAddr("198.18.1.10")
+	for _, tc := range []struct {
+		dst       string
+		allowed   bool
+		protected bool
+	}{
+		{"198.18.1.20:8080", true, false},
+		{"198.18.1.20:9090", false, true},
+		{"198.18.1.21:9090", false, true},
+		{"198.18.1.21:8080", true, false},
+	} {
+		d := netip.MustParseAddrPort(tc.dst)
+		if got := s.Authorize(&policy.Request{Source: src, Dest: d}); got.Allowed != tc.allowed {
+			t.Errorf("plaintext to %s: %v, want allowed %v", d, got, tc.allowed)
+		}
+		if got := s.Workload(d.Addr()).Protected(d.Port()); got != tc.protected {
+			t.Errorf("Protected(%d) of %s = %v, want %v", d.Port(), d.Addr(), got, tc.protected)
+		}
+	}
+}

@@ -89,6 +89,12 @@ type ServerConfig struct {
 	// frames, the connection closed if unanswered after PingTimeout.
 	// PingInterval and PingTimeout (the package constants) if zero.
 	PingInterval, PingTimeout time.Duration
+	// MaxStreamsPerPeer bounds the streams one peer identity has open on
+	// this server over all its connections, and MaxConnectingPerPeer those
+	// whose Handler.Connect (the upstream dial) runs; a stream past either
+	// is refused (REFUSED_STREAM). DefaultMaxStreamsPerPeer and
+	// DefaultMaxConnectingPerPeer if zero; negative means no bound.
+	MaxStreamsPerPeer, MaxConnectingPerPeer int
 	// OnRefusedConn, if set, is called for every connection refused
 	// before any request: a failed TLS handshake, no h2, no usable client
 	// certificate. For metrics; it runs before the refusal is logged.
@@ -108,6 +114,11 @@ type Server struct {
 	log          zerolog.Logger
 	refused      func(local, remote net.Addr, err error)
 	conns        atomic.Int64 // connections being served
+
+	maxPeerStreams, maxPeerConnecting int
+
+	peerMu sync.Mutex
+	peers  map[spiffeid.ID]*peerLoad
 
 	mu       sync.Mutex
 	live     map[*serverConn]struct{}
@@ -138,16 +149,87 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	if cfg.PingTimeout <= 0 {
 		cfg.PingTimeout = PingTimeout
 	}
+	if cfg.MaxStreamsPerPeer == 0 {
+		cfg.MaxStreamsPerPeer = DefaultMaxStreamsPerPeer
+	}
+	if cfg.MaxConnectingPerPeer == 0 {
+		cfg.MaxConnectingPerPeer = DefaultMaxConnectingPerPeer
+	}
 	return &Server{
-		refused:      cfg.OnRefusedConn,
-		tls:          tc,
-		handler:      cfg.Handler,
-		hsTime:       cfg.HandshakeTimeout,
-		pingInterval: cfg.PingInterval,
-		pingTimeout:  cfg.PingTimeout,
-		log:          cfg.Logger,
-		live:         make(map[*serverConn]struct{}),
+		maxPeerStreams:    cfg.MaxStreamsPerPeer,
+		maxPeerConnecting: cfg.MaxConnectingPerPeer,
+		peers:             make(map[spiffeid.ID]*peerLoad),
+		refused:           cfg.OnRefusedConn,
+		tls:               tc,
+		handler:           cfg.Handler,
+		hsTime:            cfg.HandshakeTimeout,
+		pingInterval:      cfg.PingInterval,
+		pingTimeout:       cfg.PingTimeout,
+		log:               cfg.Logger,
+		live:              make(map[*serverConn]struct{}),
 	}, nil
+}
+
+// Defaults of ServerConfig's per-peer bounds. A peer identity is shared by
+// every pod of a service account; the bounds are per destination node.
+const (
+	DefaultMaxStreamsPerPeer    = 1000
+	DefaultMaxConnectingPerPeer = 200
+)
+
+// peerLoad is what one peer identity holds on the server.
+type peerLoad struct{ streams, connecting int }
+
+// admitPeer counts a new stream, connecting, for peer; it returns why it
+// refuses the stream instead, or "".
+func (s *Server) admitPeer(peer spiffeid.ID) string {
+	s.peerMu.Lock()
+	defer s.peerMu.Unlock()
+	l := s.peers[peer]
+	if l == nil {
+		l = &peerLoad{}
+		s.peers[peer] = l
+	}
+	switch {
+	case s.maxPeerStreams > 0 && l.streams >= s.maxPeerStreams:
+		return fmt.Sprintf("peer has %d streams open on this server, the limit", l.streams)
+	case s.maxPeerConnecting > 0 && l.connecting >= s.maxPeerConnecting:
+		return fmt.Sprintf("peer has %d requests being connected on this server, the limit", l.connecting)
+	}
+	l.streams++
+	l.connecting++
+	return ""
+}
+
+// peerConnected ends the connecting phase of one of peer's streams.
+func (s *Server) peerConnected(peer spiffeid.ID) {
+	s.peerMu.Lock()
+	if l := s.peers[peer]; l != nil {
+		l.connecting--
+	}
+	s.peerMu.Unlock()
+}
+
+// peerStreamDone ends one of peer's streams.
+func (s *Server) peerStreamDone(peer spiffeid.ID) {
+	s.peerMu.Lock()
+	if l := s.peers[peer]; l != nil {
+		if l.streams--; l.streams <= 0 && l.connecting <= 0 {
+			delete(s.peers, peer)
+		}
+	}
+	s.peerMu.Unlock()
+}
+
+// PeerLoad returns the streams peer has open on the server and how many
+// of them are being connected.
+func (s *Server) PeerLoad(peer spiffeid.ID) (streams, connecting int) {
+	s.peerMu.Lock()
+	defer s.peerMu.Unlock()
+	if l := s.peers[peer]; l != nil {
+		return l.streams, l.connecting
+	}
+	return 0, 0
 }
 
 // Serve accepts TCP connections from ln and serves each (ServeConn) until
@@ -338,6 +420,8 @@ func (sc *serverConn) onHeaders(f *http2.MetaHeadersFrame) error {
 		refuse = fmt.Sprintf("%d streams open, the limit", len(h.streams))
 	case h.connecting >= MaxStreamsPerConn:
 		refuse = fmt.Sprintf("%d requests being connected, the limit", h.connecting)
+	default:
+		refuse = sc.srv.admitPeer(sc.peer)
 	}
 	if refuse != "" {
 		var err error
@@ -360,8 +444,17 @@ func (sc *serverConn) onHeaders(f *http2.MetaHeadersFrame) error {
 	req, status, perr := sc.parse(f)
 
 	h.mu.Lock()
+	if h.closed {
+		// The connection closed while the headers were parsed: its
+		// streams are failed and gone; this one is never made.
+		h.mu.Unlock()
+		sc.srv.peerConnected(sc.peer)
+		sc.srv.peerStreamDone(sc.peer)
+		return nil
+	}
 	s := h.newStreamLocked(id)
 	s.recvEnded = f.StreamEnded()
+	s.peerCounted = true
 	var ctx context.Context
 	if perr == nil {
 		s.connecting = true
@@ -370,6 +463,7 @@ func (sc *serverConn) onHeaders(f *http2.MetaHeadersFrame) error {
 	}
 	h.mu.Unlock()
 	if perr != nil {
+		sc.srv.peerConnected(sc.peer)
 		sc.respond(s, status, perr, req.Target, h.kickAsync)
 		return nil
 	}
@@ -469,6 +563,7 @@ func (sc *serverConn) respond(s *stream, status int, err error, target netip.Add
 func (sc *serverConn) serve(ctx context.Context, s *stream, req *Request) {
 	h := sc.h
 	up, err := sc.srv.handler.Connect(ctx, req)
+	sc.srv.peerConnected(sc.peer)
 	h.mu.Lock()
 	s.connecting = false
 	h.connecting--
@@ -690,6 +785,10 @@ func (r *serverRelay) readUpstream() error {
 func (sc *serverConn) onStreamDone(s *stream) {
 	if s.cancel != nil {
 		s.cancel()
+	}
+	if s.peerCounted {
+		s.peerCounted = false
+		sc.srv.peerStreamDone(sc.peer)
 	}
 	if s.rst && s.abortUp != nil {
 		// Reset either way or the connection failed: abort the upstream

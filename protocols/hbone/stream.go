@@ -43,7 +43,9 @@ type stream struct {
 
 	// Server.
 	connecting bool // Handler.Connect runs
-	cancel     context.CancelFunc
+	// peerCounted: the server counts the stream in its peer's load.
+	peerCounted bool
+	cancel      context.CancelFunc
 	// abortUp aborts the relay's upstream; set (under c.mu) once the
 	// relay exists, called by onStreamDone for a reset stream.
 	abortUp func()

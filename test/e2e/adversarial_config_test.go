@@ -1,0 +1,156 @@
+package e2e
+
+import (
+	"context"
+	"io"
+	"net"
+	"net/netip"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/meshtun/meshtun/test/cluster"
+	"github.com/meshtun/meshtun/test/noderun"
+)
+
+// l7Mesh is the mesh of TestAdversarialConfig: n1p1 is "client", n2p1
+// "web" (app: web), n2p2 "api" (app: api). api has an ALLOW policy whose
+// only rule is an HTTP method (it matches nothing at L4); web is audited on
+// port 8080. extra is appended to the policies.
+func l7Mesh(extra string) noderun.Mesh {
+	return noderun.Mesh{
+		Pods: map[string]noderun.Pod{
+			"n1p1": {Name: "client"},
+			"n2p1": {Name: "web", Labels: map[string]string{"app": "web"}},
+			"n2p2": {Name: "api", Labels: map[string]string{"app": "api"}},
+		},
+		Extra: `authorizationPolicies:
+  - name: api-get-only
+    namespace: default
+    selector: {matchLabels: {app: api}}
+    action: ALLOW
+    rules:
+      - to: [{operation: {methods: [GET]}}]
+  - name: audit-web
+    namespace: default
+    selector: {matchLabels: {app: web}}
+    action: AUDIT
+    rules:
+      - to: [{operation: {ports: ["8080"]}}]
+` + extra,
+	}
+}
+
+// l7Deny is an Istio DENY policy with an HTTP method: enforced on its L4
+// part, it denies every connection to web's port 9090.
+const l7Deny = `  - name: no-delete-on-admin
+    namespace: default
+    selector: {matchLabels: {app: web}}
+    action: DENY
+    rules:
+      - to: [{operation: {methods: [DELETE], ports: ["9090"]}}]
+`
+
+// TestAdversarialConfig: policies Istio accepts but an L4 proxy cannot
+// read in full neither make the config invalid nor open a hole. A config
+// with an L7-only ALLOW loads with a warning naming the file, line and
+// field, and the ALLOW matches nothing (refused, with the reason in the
+// access log). A reload that adds a DENY with an HTTP method is applied
+// (it used to make the file invalid, so the new DENY was never enforced)
+// and the DENY is enforced on its L4 part: connections to its port are
+// refused, with the policy named in the log; the other port still works,
+// logged by an AUDIT policy.
+func TestAdversarialConfig(t *testing.T) {
+	c := cluster.NewT(t, cluster.Spec{Name: "l7cfg", Nodes: 2, PodsPerNode: 2, NoExternal: true})
+	client, web, api := c.Nodes[0].Pods[0], c.Nodes[1].Pods[0], c.Nodes[1].Pods[1]
+	cfg := writeConfig(t, c, l7Mesh(""))
+	startWithConfig(t, c.Nodes[0], cfg)
+	m2 := startWithConfig(t, c.Nodes[1], cfg)
+
+	serve(t, web, 8080, func(c net.Conn) { c.Write([]byte("web")) })
+	serve(t, web, 9090, func(c net.Conn) { c.Write([]byte("admin")) })
+	serve(t, api, 8080, func(c net.Conn) { c.Write([]byte("api")) })
+
+	waitLog := func(t *testing.T, since int, what string, pred func(noderun.Line) bool) noderun.Line {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		l, err := m2.WaitLogSince(ctx, since, pred)
+		if err != nil {
+			t.Fatalf("node 2 logged no %s: %v", what, err)
+		}
+		return l
+	}
+	reply := func(t *testing.T, to netip.AddrPort) string {
+		t.Helper()
+		cl := dial(t, client.NS, to.Addr(), int(to.Port()))
+		cl.SetReadDeadline(time.Now().Add(10 * time.Second))
+		b, err := io.ReadAll(cl)
+		if err != nil {
+			t.Fatalf("client → %s: %v", to, err)
+		}
+		return string(b)
+	}
+	// refused checks that to refuses the client, and that node 2 logs the
+	// refusal with reason.
+	refused := func(t *testing.T, to netip.AddrPort, reason string) {
+		t.Helper()
+		mark := m2.Len()
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if cl, err := client.Dial(ctx, "tcp", to.String()); err == nil {
+			// Over HBONE the refusal arrives as a reset after connect.
+			cl.SetReadDeadline(time.Now().Add(5 * time.Second))
+			n, rerr := cl.Read(make([]byte, 16))
+			cl.Close()
+			if rerr == nil || n > 0 {
+				t.Fatalf("client → %s: connected and read %d bytes; want refused", to, n)
+			}
+		}
+		waitLog(t, mark, "refusal", func(l noderun.Line) bool {
+			return l.Str("message") == "connection refused" && l.Str("dst.addr") == to.String() && l.Str("error") == reason
+		})
+	}
+
+	t.Run("an L7-only ALLOW loads with a warning and matches nothing", func(t *testing.T) {
+		l := waitLog(t, 0, "warning for methods", func(l noderun.Line) bool {
+			return l.Str("level") == "warn" && strings.Contains(l.Str("message"), "operation.methods")
+		})
+		msg := l.Str("message")
+		for _, want := range []string{"mesh.yaml:", "authorizationPolicies[0].rules[0].to[0].operation.methods", "this ALLOW rule matches nothing"} {
+			if !strings.Contains(msg, want) {
+				t.Errorf("warning %q does not say %q", msg, want)
+			}
+		}
+		refused(t, netip.AddrPortFrom(api.IPv4, 8080), "denied: no ALLOW policy matched")
+	})
+	t.Run("an AUDIT policy logs and allows", func(t *testing.T) {
+		mark := m2.Len()
+		if got := reply(t, netip.AddrPortFrom(web.IPv4, 8080)); got != "web" {
+			t.Fatalf("client → web:8080: %q", got)
+		}
+		waitLog(t, mark, "audit line", func(l noderun.Line) bool {
+			return l.Str("message") == "audit policy matched" && l.Str("policy") == "default/audit-web"
+		})
+		if got := reply(t, netip.AddrPortFrom(web.IPv4, 9090)); got != "admin" {
+			t.Fatalf("client → web:9090 before the DENY: %q", got)
+		}
+	})
+	t.Run("a reloaded L7 DENY is enforced on its L4 part", func(t *testing.T) {
+		mark := m2.Len()
+		if path := writeConfig(t, c, l7Mesh(l7Deny)); path != cfg {
+			t.Fatalf("config written to %s, nodes watch %s", path, cfg)
+		}
+		l := waitLog(t, mark, "warning for the DENY's methods", func(l noderun.Line) bool {
+			return l.Str("level") == "warn" && strings.Contains(l.Str("message"), "authorizationPolicies[2].rules[0].to[0].operation.methods")
+		})
+		if msg := l.Str("message"); !strings.Contains(msg, "mesh.yaml:") || !strings.Contains(msg, "this DENY rule is enforced on its L4 part alone") {
+			t.Errorf("warning %q does not name the file or say how the DENY is enforced", msg)
+		}
+		waitLog(t, mark, "reload", func(l noderun.Line) bool { return l.Str("message") == "config reloaded" })
+		refused(t, netip.AddrPortFrom(web.IPv4, 9090), "denied by policy default/no-delete-on-admin")
+		if got := reply(t, netip.AddrPortFrom(web.IPv4, 8080)); got != "web" {
+			t.Fatalf("client → web:8080, a port the DENY does not name: %q", got)
+		}
+	})
+}
