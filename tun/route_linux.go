@@ -14,12 +14,21 @@ import (
 
 const (
 	// DefaultTable is the routing table meshtun installs its routes into:
-	// 0x6d74, "mt" in ASCII.
+	// 0x6d74, "mt" in ASCII. The table after it (0x6d75) holds the route
+	// of spoofed packets (see [RoutingConfig]).
 	DefaultTable = 0x6d74
-	// DefaultPriority is the priority of meshtun's policy-routing rules. It
-	// sits before the main table's rule (32766) and after the local table's
-	// (0), so locally addressed packets are never captured.
+	// DefaultPriority is the priority of meshtun's rules to pod
+	// addresses. It sits before the main table's rule (32766) and after
+	// the local table's (0), so locally addressed packets are never
+	// captured. The other rules take the three priorities before it.
 	DefaultPriority = 0x6d74
+
+	// BlockMetric is the metric of the blocking routes, behind the
+	// routes through the TUN devices (metric [tunMetric]) in the same
+	// tables: they take over whenever no meshtun runs.
+	BlockMetric = 0xffff
+	tunMetric   = 1
+
 	// Mark is the socket mark (SO_MARK) of meshtun's own kernel sockets.
 	// A rule one priority before the capture rules sends packets with
 	// this mark to the main table, so that what meshtun itself sends to a
@@ -27,230 +36,385 @@ const (
 	Mark = 0x6d74
 )
 
+// CaptureLink is the node-side link of captured pods and the addresses
+// those pods may send from.
+type CaptureLink struct {
+	Name string
+	// Sources are the addresses of the pods behind the link. A packet
+	// that arrives on the link from any other source is spoofed: it is
+	// routed to the spoof table, never to the TUN.
+	Sources []netip.Addr
+}
+
 // RoutingConfig says which traffic is routed into the TUN device.
+//
+// With table T and priority P, the rules are, for IPv4 and IPv6:
+//
+//	P-3  iif <link> from <source> lookup T    a captured pod's own traffic
+//	P-2  iif <link> lookup T+1                any other source on that link: spoofed
+//	P-1  iif <tun> lookup main                what the TUN writes back
+//	P-1  fwmark <Mark> lookup main            what meshtun's own sockets send
+//	P    to <pod> lookup T                    traffic to a captured pod, from anywhere else
+//
+// Everything else the node sends to a pod is captured: the node is not
+// trusted more than any other host.
+//
+// Table T routes into the TUN and, behind that route, prohibits
+// ("prohibit default metric 65535"); table T+1 routes into the spoof sink
+// (a second TUN whose reader counts and drops) and, behind it, blackholes.
+// The blocking routes and the rules stay when meshtun stops, so that while
+// no proxy runs captured traffic is refused instead of routed in the
+// clear; [Uninstall] removes them.
 type RoutingConfig struct {
 	Table    int // routing table; 0 means DefaultTable
 	Priority int // rule priority; 0 means DefaultPriority
 
 	// CaptureLinks are the node-side links of the captured pods (the host
-	// end of each pod's veth). Every packet arriving on one of them is
-	// routed into the TUN: "ip rule add iif <link> lookup <table>".
-	CaptureLinks []string
+	// end of each pod's veth), each with the addresses its pods may use.
+	CaptureLinks []CaptureLink
 	// PodPrefixes are the addresses (or ranges) of the captured pods.
 	// Every packet to one of them is routed into the TUN, from wherever it
-	// arrives ("ip rule add to <prefix> lookup <table>"), except packets
-	// the TUN itself hands back and packets of meshtun's own sockets
-	// (marked with Mark): two rules before it send those to the main table
-	// ("ip rule add iif <tun> lookup main", "fwmark <Mark> lookup main").
-	// Everything else the node sends to a pod is captured: the node is
-	// not trusted more than any other host.
+	// arrives, except packets the TUN itself hands back and packets of
+	// meshtun's own sockets (marked with Mark).
 	PodPrefixes []netip.Prefix
 }
 
-// Routing is the set of rules and routes installed for one TUN device.
-type Routing struct {
-	mu      sync.Mutex // Update and Close
-	cfg     RoutingConfig
-	exempt  []*netlink.Rule // iif <tun>, fwmark Mark → main
-	capture []*netlink.Rule // iif <pod link>, to <pod> → table
-	routes  []*netlink.Route
-	closed  bool
-}
-
-// InstallRouting removes whatever an earlier run left in the table and then
-// installs: a default route for IPv4 and IPv6 through dev in the table, and
-// the capture rules of cfg. On error it removes what it had installed.
-func InstallRouting(dev *Device, cfg RoutingConfig) (*Routing, error) {
+func (cfg *RoutingConfig) defaults() {
 	if cfg.Table == 0 {
 		cfg.Table = DefaultTable
 	}
 	if cfg.Priority == 0 {
 		cfg.Priority = DefaultPriority
 	}
-	if err := removeStale(cfg.Table, cfg.Priority); err != nil {
+}
+
+// Routing is the set of rules and routes installed for one TUN device.
+type Routing struct {
+	mu     sync.Mutex // Update and Close
+	cfg    RoutingConfig
+	dev    *Device
+	sink   *Device
+	closed bool
+}
+
+// InstallRouting routes the captured traffic into dev, and spoofed packets
+// into sink (nil: they are blackholed). It adopts what an earlier run left
+// (rules and blocking routes stay across a stop): the routes through the
+// devices and the blocking routes are put in first, then the rules of cfg
+// are added and only then are the rules no longer wanted removed, so
+// traffic that an earlier run captured is never routed in the clear while
+// this one starts.
+func InstallRouting(dev, sink *Device, cfg RoutingConfig) (*Routing, error) {
+	cfg.defaults()
+	r := &Routing{cfg: cfg, dev: dev, sink: sink}
+	if err := r.installRoutes(); err != nil {
 		return nil, err
 	}
-	r := &Routing{}
-	for _, dst := range []*net.IPNet{
-		{IP: net.IPv4zero, Mask: net.CIDRMask(0, 32)},
-		{IP: net.IPv6zero, Mask: net.CIDRMask(0, 128)},
-	} {
-		rt := &netlink.Route{LinkIndex: dev.Index(), Dst: dst, Table: cfg.Table, Scope: netlink.SCOPE_LINK}
-		if err := netlink.RouteAdd(rt); err != nil {
-			r.Close()
-			return nil, fmt.Errorf("tun: add route %s dev %s table %d: %w", dst, dev.Name(), cfg.Table, err)
-		}
-		r.routes = append(r.routes, rt)
-	}
-	// Exemptions first (one priority earlier): what the TUN writes back,
-	// and what meshtun's own sockets send.
-	for _, byMark := range []bool{false, true} {
-		for _, family := range []int{unix.AF_INET, unix.AF_INET6} {
-			rule := newRule(cfg, family)
-			rule.Priority = cfg.Priority - 1
-			rule.Table = unix.RT_TABLE_MAIN
-			if byMark {
-				rule.Mark = Mark
-			} else {
-				rule.IifName = dev.Name()
-			}
-			if err := netlink.RuleAdd(rule); err != nil {
-				r.Close()
-				return nil, fmt.Errorf("tun: add rule %s: %w", rule, err)
-			}
-			r.exempt = append(r.exempt, rule)
-		}
-	}
-	r.cfg = cfg
-	if err := r.Update(cfg.CaptureLinks, cfg.PodPrefixes); err != nil {
-		r.Close()
+	if err := r.reconcile(cfg.CaptureLinks, cfg.PodPrefixes); err != nil {
 		return nil, err
 	}
 	return r, nil
 }
 
-// captureRules returns the rules that route the traffic of links and pods
-// into the table.
-func (r *Routing) captureRules(links []string, pods []netip.Prefix) []*netlink.Rule {
-	var rules []*netlink.Rule
-	for _, link := range links {
-		for _, family := range []int{unix.AF_INET, unix.AF_INET6} {
-			rule := newRule(r.cfg, family)
-			rule.IifName = link
-			rules = append(rules, rule)
+// routes returns the routes of tables T and T+1: through the devices (only
+// those given) and the blocking ones.
+func routes(cfg RoutingConfig, dev, sink *Device) []*netlink.Route {
+	var out []*netlink.Route
+	for _, dst := range []*net.IPNet{
+		{IP: net.IPv4zero, Mask: net.CIDRMask(0, 32)},
+		{IP: net.IPv6zero, Mask: net.CIDRMask(0, 128)},
+	} {
+		if dev != nil {
+			out = append(out, &netlink.Route{LinkIndex: dev.Index(), Dst: dst, Table: cfg.Table, Scope: netlink.SCOPE_LINK, Priority: tunMetric})
 		}
-	}
-	for _, p := range pods {
-		family := unix.AF_INET
-		if p.Addr().Is6() {
-			family = unix.AF_INET6
+		out = append(out, &netlink.Route{Type: unix.RTN_PROHIBIT, Dst: dst, Table: cfg.Table, Priority: BlockMetric})
+		if sink != nil {
+			out = append(out, &netlink.Route{LinkIndex: sink.Index(), Dst: dst, Table: cfg.Table + 1, Scope: netlink.SCOPE_LINK, Priority: tunMetric})
 		}
-		rule := newRule(r.cfg, family)
-		rule.Dst = prefixToIPNet(p)
-		rules = append(rules, rule)
-	}
-	return rules
-}
-
-func ruleKey(r *netlink.Rule) string {
-	return fmt.Sprintf("%d|%s|%v", r.Family, r.IifName, r.Dst)
-}
-
-// Update changes the captured links and pod addresses, for a node whose
-// pods come and go. New rules are added before old ones are removed, so
-// capture never lapses for a pod that stays.
-func (r *Routing) Update(links []string, pods []netip.Prefix) error {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.closed {
-		return errors.New("tun: routing already removed")
-	}
-	want := r.captureRules(links, pods)
-	have := make(map[string]*netlink.Rule, len(r.capture))
-	for _, rule := range r.capture {
-		have[ruleKey(rule)] = rule
-	}
-	keep := make(map[string]bool, len(want))
-	var next []*netlink.Rule
-	for _, rule := range want {
-		k := ruleKey(rule)
-		if keep[k] {
-			continue
-		}
-		keep[k] = true
-		if old, ok := have[k]; ok {
-			next = append(next, old)
-			continue
-		}
-		if err := netlink.RuleAdd(rule); err != nil {
-			r.capture = append(next, r.unkept(keep)...)
-			return fmt.Errorf("tun: add rule %s: %w", rule, err)
-		}
-		next = append(next, rule)
-	}
-	var errs []error
-	for _, rule := range r.unkept(keep) {
-		if err := netlink.RuleDel(rule); err != nil && !errors.Is(err, unix.ENOENT) {
-			errs = append(errs, fmt.Errorf("tun: delete rule %s: %w", rule, err))
-			next = append(next, rule)
-		}
-	}
-	r.capture = next
-	return errors.Join(errs...)
-}
-
-// unkept returns the installed capture rules whose keys are not in keep.
-func (r *Routing) unkept(keep map[string]bool) []*netlink.Rule {
-	var out []*netlink.Rule
-	for _, rule := range r.capture {
-		if !keep[ruleKey(rule)] {
-			out = append(out, rule)
-		}
+		out = append(out, &netlink.Route{Type: unix.RTN_BLACKHOLE, Dst: dst, Table: cfg.Table + 1, Priority: BlockMetric})
 	}
 	return out
 }
 
-func newRule(cfg RoutingConfig, family int) *netlink.Rule {
-	rule := netlink.NewRule()
-	rule.Family = family
-	rule.Table = cfg.Table
-	rule.Priority = cfg.Priority
-	return rule
+func routeKey(rt *netlink.Route) string {
+	typ := rt.Type
+	if typ == 0 {
+		typ = unix.RTN_UNICAST
+	}
+	link := rt.LinkIndex
+	if typ != unix.RTN_UNICAST {
+		link = 0 // the kernel puts reject routes on lo
+	}
+	bits := 0
+	if rt.Dst != nil {
+		bits, _ = rt.Dst.Mask.Size()
+	}
+	return fmt.Sprintf("%d|%d|%d|%d|%d", rt.Table, typ, link, rt.Priority, bits)
 }
 
-// Close removes the rules and routes. Routes through the TUN also vanish
-// when the device is closed; removing them here keeps the order explicit.
-func (r *Routing) Close() error {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.closed = true
+// installRoutes puts the routes in (replacing equal ones) and removes any
+// other route of the two tables.
+func (r *Routing) installRoutes() error {
+	want := routes(r.cfg, r.dev, r.sink)
+	keep := map[string]bool{}
+	for _, rt := range want {
+		if err := netlink.RouteReplace(rt); err != nil {
+			return fmt.Errorf("tun: add route %s: %w", rt, err)
+		}
+		keep[familyOf(rt.Dst)+routeKey(rt)] = true
+	}
 	var errs []error
-	for _, rule := range append(r.capture, r.exempt...) {
+	for _, family := range []int{unix.AF_INET, unix.AF_INET6} {
+		for _, table := range []int{r.cfg.Table, r.cfg.Table + 1} {
+			have, err := netlink.RouteListFiltered(family, &netlink.Route{Table: table}, netlink.RT_FILTER_TABLE)
+			if err != nil {
+				return fmt.Errorf("tun: list routes of table %#x: %w", table, err)
+			}
+			for i := range have {
+				rt := &have[i]
+				if rt.Dst == nil { // a default route lists without Dst
+					rt.Dst = defaultDst(family)
+				}
+				if keep[familyOf(rt.Dst)+routeKey(rt)] {
+					continue
+				}
+				if err := netlink.RouteDel(rt); err != nil && !errors.Is(err, unix.ESRCH) {
+					errs = append(errs, fmt.Errorf("tun: delete stale route %s: %w", rt, err))
+				}
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func defaultDst(family int) *net.IPNet {
+	if family == unix.AF_INET6 {
+		return &net.IPNet{IP: net.IPv6zero, Mask: net.CIDRMask(0, 128)}
+	}
+	return &net.IPNet{IP: net.IPv4zero, Mask: net.CIDRMask(0, 32)}
+}
+
+func familyOf(n *net.IPNet) string {
+	if n != nil && n.IP.To4() == nil {
+		return "6|"
+	}
+	return "4|"
+}
+
+// rules returns every rule cfg asks for, exemptions included.
+func (r *Routing) rules(links []CaptureLink, pods []netip.Prefix) []*netlink.Rule {
+	cfg := r.cfg
+	var out []*netlink.Rule
+	add := func(family, prio, table int, iif string, src, dst *netip.Prefix) *netlink.Rule {
+		rule := netlink.NewRule()
+		rule.Family = family
+		rule.Priority = prio
+		rule.Table = table
+		rule.IifName = iif
+		if src != nil {
+			rule.Src = prefixToIPNet(*src)
+		}
+		if dst != nil {
+			rule.Dst = prefixToIPNet(*dst)
+		}
+		out = append(out, rule)
+		return rule
+	}
+	families := []int{unix.AF_INET, unix.AF_INET6}
+	for _, l := range links {
+		for _, a := range l.Sources {
+			a = a.Unmap()
+			p := netip.PrefixFrom(a, a.BitLen())
+			add(familyOfAddr(a), cfg.Priority-3, cfg.Table, l.Name, &p, nil)
+		}
+		for _, family := range families {
+			add(family, cfg.Priority-2, cfg.Table+1, l.Name, nil, nil)
+		}
+	}
+	for _, family := range families {
+		if iif := r.devName(); iif != "" { // no device: no rule that would match every interface
+			add(family, cfg.Priority-1, unix.RT_TABLE_MAIN, iif, nil, nil)
+		}
+		add(family, cfg.Priority-1, unix.RT_TABLE_MAIN, "", nil, nil).Mark = Mark
+	}
+	for _, p := range pods {
+		p = netip.PrefixFrom(p.Addr().Unmap(), min(p.Bits(), p.Addr().Unmap().BitLen())).Masked()
+		add(familyOfAddr(p.Addr()), cfg.Priority, cfg.Table, "", nil, &p)
+	}
+	return out
+}
+
+func (r *Routing) devName() string {
+	if r.dev == nil {
+		return ""
+	}
+	return r.dev.Name()
+}
+
+func familyOfAddr(a netip.Addr) int {
+	if a.Is4() {
+		return unix.AF_INET
+	}
+	return unix.AF_INET6
+}
+
+func ruleKey(r *netlink.Rule) string {
+	mark := r.Mark
+	if mark == 0xffffffff { // NewRule's "no mark"; a listed rule without one has 0
+		mark = 0
+	}
+	return fmt.Sprintf("%d|%d|%d|%s|%v|%v|%#x", r.Family, r.Priority, r.Table, r.IifName, r.Src, r.Dst, mark)
+}
+
+// ours lists the rules meshtun installs in tables table and table+1, and
+// its exemptions (priority priority-1, main table).
+func ours(table, priority int) ([]*netlink.Rule, error) {
+	var out []*netlink.Rule
+	for _, family := range []int{unix.AF_INET, unix.AF_INET6} {
+		all, err := netlink.RuleList(family)
+		if err != nil {
+			return nil, fmt.Errorf("tun: list rules: %w", err)
+		}
+		for i := range all {
+			rule := &all[i]
+			if rule.Table == table || rule.Table == table+1 ||
+				(rule.Table == unix.RT_TABLE_MAIN && rule.Priority == priority-1) {
+				rule.Family = family
+				out = append(out, rule)
+			}
+		}
+	}
+	return out, nil
+}
+
+// reconcile makes the kernel's rules those of links and pods: it adds the
+// missing ones first, then deletes those no longer wanted.
+func (r *Routing) reconcile(links []CaptureLink, pods []netip.Prefix) error {
+	want := r.rules(links, pods)
+	have, err := ours(r.cfg.Table, r.cfg.Priority)
+	if err != nil {
+		return err
+	}
+	haveKeys := map[string]bool{}
+	for _, rule := range have {
+		haveKeys[ruleKey(rule)] = true
+	}
+	wantKeys := map[string]bool{}
+	for _, rule := range want {
+		k := ruleKey(rule)
+		if wantKeys[k] {
+			continue
+		}
+		wantKeys[k] = true
+		if haveKeys[k] {
+			continue
+		}
+		if err := netlink.RuleAdd(rule); err != nil && !errors.Is(err, unix.EEXIST) {
+			return fmt.Errorf("tun: add rule %s: %w", rule, err)
+		}
+	}
+	var errs []error
+	for _, rule := range have {
+		if wantKeys[ruleKey(rule)] {
+			continue
+		}
 		if err := netlink.RuleDel(rule); err != nil && !errors.Is(err, unix.ENOENT) {
 			errs = append(errs, fmt.Errorf("tun: delete rule %s: %w", rule, err))
 		}
 	}
-	for _, rt := range r.routes {
+	return errors.Join(errs...)
+}
+
+// Update changes the captured links and pod addresses, for a node whose
+// pods come and go. New rules are added before old ones are removed, so
+// capture never lapses for a pod that stays; a pod that leaves is released
+// (its rules removed).
+func (r *Routing) Update(links []CaptureLink, pods []netip.Prefix) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return errors.New("tun: routing already closed")
+	}
+	return r.reconcile(links, pods)
+}
+
+// Close removes the routes through the TUN devices and leaves everything
+// else: the rules and the blocking routes then refuse the captured traffic
+// until a new meshtun installs its routes, or [Uninstall] removes them.
+func (r *Routing) Close() error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return nil
+	}
+	r.closed = true
+	var errs []error
+	for _, rt := range routes(r.cfg, r.dev, r.sink) {
+		if rt.Priority != tunMetric {
+			continue
+		}
 		if err := netlink.RouteDel(rt); err != nil && !errors.Is(err, unix.ESRCH) && !errors.Is(err, unix.ENODEV) {
 			errs = append(errs, fmt.Errorf("tun: delete route %s: %w", rt, err))
 		}
 	}
-	r.capture, r.exempt, r.routes = nil, nil, nil
 	return errors.Join(errs...)
 }
 
-// RemoveStale deletes every policy rule that points at table, or has
-// meshtun's exemption priority (priority-1) and points at the main table,
-// and every route in table, for IPv4 and IPv6: the leftovers of a run that
-// did not exit cleanly.
-func RemoveStale(table int) error {
-	return removeStale(table, DefaultPriority)
-}
+// ErrRunning is returned by Uninstall while a meshtun proxy routes
+// traffic in the namespace.
+var ErrRunning = errors.New("a meshtun proxy is running in this network namespace")
 
-func removeStale(table, priority int) error {
-	var errs []error
+// Uninstall removes every rule and route meshtun installs (table and
+// priority 0x6d74 and the three priorities before it) from the current
+// network namespace, so that the pods' traffic is routed directly again.
+// It refuses with ErrRunning while a table still routes through a device,
+// i.e. while a proxy runs: stop it first.
+func Uninstall() error {
 	for _, family := range []int{unix.AF_INET, unix.AF_INET6} {
-		rules, err := netlink.RuleListFiltered(family, &netlink.Rule{Table: table}, netlink.RT_FILTER_TABLE)
-		if err != nil {
-			return fmt.Errorf("tun: list rules: %w", err)
-		}
-		exempt, err := netlink.RuleListFiltered(family, &netlink.Rule{Table: unix.RT_TABLE_MAIN, Priority: priority - 1}, netlink.RT_FILTER_TABLE|netlink.RT_FILTER_PRIORITY)
-		if err != nil {
-			return fmt.Errorf("tun: list rules: %w", err)
-		}
-		rules = append(rules, exempt...)
-		for i := range rules {
-			if err := netlink.RuleDel(&rules[i]); err != nil && !errors.Is(err, unix.ENOENT) {
-				errs = append(errs, fmt.Errorf("tun: delete stale rule %s: %w", rules[i], err))
+		for _, table := range []int{DefaultTable, DefaultTable + 1} {
+			rts, err := netlink.RouteListFiltered(family, &netlink.Route{Table: table}, netlink.RT_FILTER_TABLE)
+			if err != nil {
+				return fmt.Errorf("tun: list routes of table %#x: %w", table, err)
+			}
+			for _, rt := range rts {
+				if (rt.Type == 0 || rt.Type == unix.RTN_UNICAST) && rt.LinkIndex > 0 {
+					name := fmt.Sprint(rt.LinkIndex)
+					if l, err := netlink.LinkByIndex(rt.LinkIndex); err == nil {
+						name = l.Attrs().Name
+					}
+					return fmt.Errorf("%w (table %#x routes through %s); stop it first", ErrRunning, table, name)
+				}
 			}
 		}
-		routes, err := netlink.RouteListFiltered(family, &netlink.Route{Table: table}, netlink.RT_FILTER_TABLE)
-		if err != nil {
-			return fmt.Errorf("tun: list routes of table %d: %w", table, err)
+	}
+	return RemoveStale(DefaultTable)
+}
+
+// RemoveStale deletes every policy rule that points at table or table+1,
+// or has meshtun's exemption priority (DefaultPriority-1) and points at the
+// main table, and every route in the two tables, for IPv4 and IPv6. Unlike
+// Uninstall it does not check whether a proxy runs.
+func RemoveStale(table int) error {
+	rules, err := ours(table, DefaultPriority)
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for _, rule := range rules {
+		if err := netlink.RuleDel(rule); err != nil && !errors.Is(err, unix.ENOENT) {
+			errs = append(errs, fmt.Errorf("tun: delete rule %s: %w", rule, err))
 		}
-		for i := range routes {
-			if err := netlink.RouteDel(&routes[i]); err != nil && !errors.Is(err, unix.ESRCH) {
-				errs = append(errs, fmt.Errorf("tun: delete stale route %s: %w", routes[i], err))
+	}
+	for _, family := range []int{unix.AF_INET, unix.AF_INET6} {
+		for _, t := range []int{table, table + 1} {
+			rts, err := netlink.RouteListFiltered(family, &netlink.Route{Table: t}, netlink.RT_FILTER_TABLE)
+			if err != nil {
+				return fmt.Errorf("tun: list routes of table %#x: %w", t, err)
+			}
+			for i := range rts {
+				if err := netlink.RouteDel(&rts[i]); err != nil && !errors.Is(err, unix.ESRCH) {
+					errs = append(errs, fmt.Errorf("tun: delete route %s: %w", rts[i], err))
+				}
 			}
 		}
 	}

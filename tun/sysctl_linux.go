@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 )
 
@@ -25,13 +26,22 @@ type sysctl struct{ key, old string }
 //   - accept_local on the TUN: what the node itself sends to a captured pod
 //     enters the TUN and, when it is not proxied, is written back with one
 //     of the node's own addresses as its source, which the kernel would
-//     otherwise drop as a martian;
-//   - net.ipv4.conf.all.rp_filter lowered from strict (1) to loose (2) if it
-//     was strict, because the kernel applies the larger of "all" and the
-//     device's value.
+//     otherwise drop as a martian.
+//
+// The kernel filters with the larger of net.ipv4.conf.all.rp_filter and the
+// device's own value, so a strict (1) "all" would still apply to the TUN.
+// In that case, and only then, the strictness moves from "all" to the
+// devices: every other device is raised to at least 1, except the links in
+// loose (the capture links and the spoof sink) and "default" (which new
+// devices, such as new pod links, copy), which are raised to at least 2
+// (loose); only then is "all" lowered to 0. Strict filtering cannot work on
+// a capture link: the reverse-path lookup of a pod's packet finds the
+// capture rule to the pod, i.e. the TUN, not the pod's link; the capture
+// rules' own source check (iif <link> from <pod>) is exact instead. A loose
+// (2) "all" is left alone: loose filtering passes what the TUN writes back.
 //
 // Call Restore to put the previous values back.
-func SetSysctls(tunName string) (*Sysctls, error) {
+func SetSysctls(tunName string, loose ...string) (*Sysctls, error) {
 	s := &Sysctls{}
 	set := func(key, val string, only func(old string) bool) error {
 		old, err := readSysctl(key)
@@ -47,21 +57,47 @@ func SetSysctls(tunName string) (*Sysctls, error) {
 		s.saved = append(s.saved, sysctl{key, old})
 		return nil
 	}
-	steps := []struct {
-		key, val string
-		only     func(string) bool
-	}{
-		{"net/ipv4/ip_forward", "1", nil},
-		{"net/ipv6/conf/all/forwarding", "1", nil},
-		{"net/ipv4/conf/" + tunName + "/rp_filter", "0", nil},
-		{"net/ipv4/conf/" + tunName + "/accept_local", "1", nil},
-		{"net/ipv4/conf/all/rp_filter", "2", func(old string) bool { return old == "1" }},
+	fail := func(err error) (*Sysctls, error) {
+		s.Restore()
+		return nil, err
 	}
-	for _, st := range steps {
-		if err := set(st.key, st.val, st.only); err != nil {
-			s.Restore()
-			return nil, err
+	for _, st := range []struct{ key, val string }{
+		{"net/ipv4/ip_forward", "1"},
+		{"net/ipv6/conf/all/forwarding", "1"},
+		{"net/ipv4/conf/" + tunName + "/rp_filter", "0"},
+		{"net/ipv4/conf/" + tunName + "/accept_local", "1"},
+	} {
+		if err := set(st.key, st.val, nil); err != nil {
+			return fail(err)
 		}
+	}
+	all, err := readSysctl("net/ipv4/conf/all/rp_filter")
+	if err != nil {
+		return fail(err)
+	}
+	if all != "1" {
+		return s, nil
+	}
+	entries, err := os.ReadDir("/proc/sys/net/ipv4/conf")
+	if err != nil {
+		return fail(fmt.Errorf("tun: list devices' sysctls: %w", err))
+	}
+	notStrict := func(old string) bool { return old == "0" }
+	for _, e := range entries {
+		if e.Name() == "all" || e.Name() == tunName {
+			continue
+		}
+		val := "1"
+		if e.Name() == "default" || slices.Contains(loose, e.Name()) {
+			val = "2"
+		}
+		err := set("net/ipv4/conf/"+e.Name()+"/rp_filter", val, notStrict)
+		if err != nil && !errors.Is(err, os.ErrNotExist) { // a device that just went
+			return fail(err)
+		}
+	}
+	if err := set("net/ipv4/conf/all/rp_filter", "0", nil); err != nil {
+		return fail(err)
 	}
 	return s, nil
 }
