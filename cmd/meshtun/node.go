@@ -20,12 +20,14 @@ func runNode(ctx context.Context, args []string) error {
 	var (
 		path, name, logLevel string
 		noIntercept          bool
+		uninstall            bool
 		drain                time.Duration
 		procs                int
 	)
 	fs.StringVar(&path, "config", "/etc/meshtun/mesh.yaml", "the mesh config `file` (see docs/config.md)")
 	fs.StringVar(&name, "node", "", "this node's `name` in the config file (required)")
 	fs.BoolVar(&noIntercept, "no-intercept", false, "intercept nothing: every packet goes through the TUN verbatim (for measuring the TUN path alone)")
+	fs.BoolVar(&uninstall, "uninstall", false, "remove meshtun from this network namespace (its rules and blocking routes, which a stopped proxy leaves so that captured traffic stays blocked) and exit; refused while a proxy runs")
 	fs.DurationVar(&drain, "drain-period", node.DefaultDrainPeriod, "on SIGTERM, how long open connections may take to finish")
 	fs.StringVar(&logLevel, "log-level", "info", "log `level`: trace, debug, info, warn, error")
 	fs.IntVar(&procs, "procs", 0, "`threads` running Go code at once (GOMAXPROCS); 0: half the CPUs the process may use, at least 1 (the GOMAXPROCS environment variable, if set, wins)")
@@ -38,12 +40,19 @@ func runNode(ctx context.Context, args []string) error {
 	if fs.NArg() > 0 {
 		return fmt.Errorf("unexpected arguments: %q", fs.Args())
 	}
-	if name == "" {
-		return errors.New("-node is required")
-	}
 	log, err := newLogger(logLevel)
 	if err != nil {
 		return err
+	}
+	if uninstall {
+		if err := tun.Uninstall(); err != nil {
+			return err
+		}
+		log.Warn().Msg("meshtun uninstalled from this network namespace: its pods' traffic is routed directly, in the clear and unauthorized")
+		return nil
+	}
+	if name == "" {
+		return errors.New("-node is required")
 	}
 	_, envSet := os.LookupEnv("GOMAXPROCS")
 	n := nodeProcs(procs, envSet, runtime.GOMAXPROCS(0))
@@ -64,10 +73,14 @@ func runNode(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
+	links, err := node.CaptureLinks(c, name)
+	if err != nil {
+		return err
+	}
 	err = node.Run(ctx, node.Config{
 		Name:          nc.Name,
 		TUN:           tun.Config{Name: nc.TUN.Name, MTU: nc.TUN.MTU, TxQueueLen: nc.TUN.TxQueueLen},
-		CaptureLinks:  nc.CaptureLinks,
+		CaptureLinks:  links,
 		Mesh:          mesh,
 		CA:            identity.CAConfig{Dir: c.CA.Dir, SVIDTTL: c.CA.SVIDTTL},
 		ConfigPath:    c.Path,

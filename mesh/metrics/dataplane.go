@@ -12,11 +12,15 @@ type DataPlaneStats struct {
 	// Packets and bytes from the TUN by verdict ("intercept", "verbatim")
 	// and protocol ("tcp", "udp", "icmp", "other").
 	Packets, Bytes map[[2]string]uint64
-	Drops          map[string]uint64 // packets dropped, by reason
-	Outbound       uint64            // packets the netstack sent
-	Flows          int               // flow-table entries
-	FlowsInserted  uint64
-	FlowsExpired   uint64
+	Drops          map[string]uint64 // packets the classifier dropped, by reason
+	// PacketDrops are packets dropped before the classifier, by reason:
+	// "spoofed-source", a capture link's packets whose source is not one
+	// of that link's pods (routed to the spoof sink).
+	PacketDrops   map[string]uint64
+	Outbound      uint64 // packets the netstack sent
+	Flows         int    // flow-table entries
+	FlowsInserted uint64
+	FlowsExpired  uint64
 
 	TCPRetransmits      uint64 // netstack TCP segments retransmitted
 	ForwarderDrops      uint64 // SYNs dropped: too many connections pending
@@ -40,6 +44,7 @@ var (
 	descPackets   = prometheus.NewDesc("meshtun_packets_total", "Packets read from the TUN, by the classifier's verdict and protocol.", []string{"verdict", "protocol"}, nil)
 	descBytes     = prometheus.NewDesc("meshtun_bytes_total", "Bytes (IP packets) read from the TUN, by the classifier's verdict and protocol.", []string{"verdict", "protocol"}, nil)
 	descDrops     = prometheus.NewDesc("meshtun_classifier_drops_total", "Packets the classifier dropped, by reason.", []string{"reason"}, nil)
+	descPktDrops  = prometheus.NewDesc("meshtun_packets_dropped_total", "Packets dropped before the classifier, by reason (spoofed-source: from a capture link, with a source that is not one of that link's pods).", []string{"reason"}, nil)
 	descOutbound  = prometheus.NewDesc("meshtun_netstack_packets_sent_total", "Packets the netstack wrote to the TUN.", nil, nil)
 	descFlows     = prometheus.NewDesc("meshtun_flows", "Entries in the classifier's flow table.", nil, nil)
 	descInserted  = prometheus.NewDesc("meshtun_flows_inserted_total", "Flows added to the flow table.", nil, nil)
@@ -54,7 +59,7 @@ var (
 )
 
 func (d *dataPlane) Describe(ch chan<- *prometheus.Desc) {
-	for _, desc := range []*prometheus.Desc{descPackets, descBytes, descDrops, descOutbound, descFlows, descInserted, descExpired,
+	for _, desc := range []*prometheus.Desc{descPackets, descBytes, descDrops, descPktDrops, descOutbound, descFlows, descInserted, descExpired,
 		descRetrans, descFwdDrops, descWriteErrs, descPoolConns, descPoolStrms, descSrvConns, descExpiry} {
 		ch <- desc
 	}
@@ -76,6 +81,9 @@ func (d *dataPlane) Collect(ch chan<- prometheus.Metric) {
 	}
 	for reason, n := range s.Drops {
 		counter(descDrops, n, reason)
+	}
+	for reason, n := range s.PacketDrops {
+		counter(descPktDrops, n, reason)
 	}
 	counter(descOutbound, s.Outbound)
 	gauge(descFlows, float64(s.Flows))

@@ -33,8 +33,9 @@ type Config struct {
 	// Name is this node's name: workloads whose Node equals it are local.
 	Name string
 	TUN  tun.Config
-	// CaptureLinks are the node-side links of the captured pods.
-	CaptureLinks []string
+	// CaptureLinks are the node-side links of the captured pods, each
+	// with the addresses its pods may send from ([CaptureLinks]).
+	CaptureLinks []tun.CaptureLink
 	// Mesh is the initial model of the mesh.
 	Mesh *registry.Snapshot
 	// CA is the built-in certificate authority that issues the local
@@ -156,23 +157,40 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	if err != nil {
 		return err
 	}
-	sys, err := tun.SetSysctls(dev.Name())
+	// The spoof sink: a second TUN that policy routing sends a capture
+	// link's packets with a foreign source to; its reader counts them and
+	// drops them.
+	sinkDev, err := tun.Open(tun.Config{Name: SinkName(dev.Name()), MTU: 65535, NoOffload: true, Logger: log})
 	if err != nil {
 		dev.Close()
 		return err
 	}
-	// Teardown runs in reverse: routing first, so traffic flows directly
-	// again at once; then the device, which ends the stack's reader; then
-	// the stack and the sysctls.
+	n.sink = &spoofSink{dev: sinkDev, log: log}
+	go n.sink.run()
+	sys, err := tun.SetSysctls(dev.Name())
+	if err != nil {
+		sinkDev.Close()
+		dev.Close()
+		return err
+	}
+	// Teardown runs in reverse: the routes through the TUNs first, so the
+	// blocking routes behind them take over at once (the rules stay: the
+	// captured traffic is refused, not routed in the clear, until a new
+	// meshtun starts or "meshtun node --uninstall" removes them); then the
+	// devices, which ends the stack's reader; then the stack and the
+	// sysctls.
 	var routes *tun.Routing
 	defer func() {
 		if routes != nil {
 			if rerr := routes.Close(); rerr != nil {
-				log.Error().Err(rerr).Msg("remove routing")
+				log.Error().Err(rerr).Msg("remove the routes through the TUN")
 			}
 		}
 		if cerr := dev.Close(); cerr != nil {
 			log.Warn().Err(cerr).Msg("close TUN")
+		}
+		if cerr := sinkDev.Close(); cerr != nil {
+			log.Warn().Err(cerr).Msg("close the spoof sink")
 		}
 		if n.st != nil {
 			n.st.Close()
@@ -230,7 +248,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 		return fmt.Errorf("node: metrics: %w", err)
 	}
 
-	routes, err = tun.InstallRouting(dev, tun.RoutingConfig{
+	routes, err = tun.InstallRouting(dev, sinkDev, tun.RoutingConfig{
 		CaptureLinks: cfg.CaptureLinks,
 		PodPrefixes:  podPrefixes(locals),
 	})
@@ -244,8 +262,12 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	}
 
 	n.ready.Store(true)
+	var linkNames []string
+	for _, l := range cfg.CaptureLinks {
+		linkNames = append(linkNames, l.Name)
+	}
 	log.Info().Str("node", cfg.Name).Str("tun", dev.Name()).Int("mtu", dev.MTU()).
-		Strs("capture_links", cfg.CaptureLinks).
+		Strs("capture_links", linkNames).
 		Int("workloads", len(locals)).Str("trust_domain", cfg.Mesh.TrustDomain.String()).
 		Msg(ReadyMessage)
 	<-ctx.Done()
@@ -277,6 +299,7 @@ type node struct {
 	st      *stack.Stack
 	px      *proxy.Proxy
 	routes  *tun.Routing
+	sink    *spoofSink
 	ready   atomic.Bool
 }
 
@@ -302,7 +325,10 @@ func (n *node) dataPlaneStats() metrics.DataPlaneStats {
 		TCPRetransmits: ss.TCPRetransmits, ForwarderDrops: ss.ForwarderDrops,
 		VerbatimWriteErrors: ss.VerbatimWriteErrors,
 		HBONEConns:          ps.Conns, HBONEStreams: ps.Streams, HBONEServerConns: n.hs.OpenConns(),
-		Drops:      map[string]uint64{},
+		Drops: map[string]uint64{},
+		PacketDrops: map[string]uint64{
+			"spoofed-source": n.sink.dropped.Load(),
+		},
 		CertExpiry: map[string]time.Time{},
 	}
 	for p := range cs.VerbatimPackets {
@@ -463,9 +489,9 @@ func (n *node) apply(ctx context.Context, c *config.Config, snap *registry.Snaps
 	removed := syncSVIDs(ctx, n.svids, locals, n.log)
 	// Capture follows the node's workloads: pods added to this node
 	// are captured from now on (rules added before old ones go).
-	if nc, err := c.Node(n.cfg.Name); err != nil {
+	if links, err := CaptureLinks(c, n.cfg.Name); err != nil {
 		n.log.Error().Err(err).Str("config", path).Msg("config reload: this node is gone from the file; capture unchanged")
-	} else if err := n.routes.Update(nc.CaptureLinks, podPrefixes(locals)); err != nil {
+	} else if err := n.routes.Update(links, podPrefixes(locals)); err != nil {
 		n.log.Error().Err(err).Msg("config reload: update capture rules")
 	}
 	closed := n.px.Reauthorize()

@@ -411,14 +411,19 @@ func TestDataPath(t *testing.T) {
 		throughTUN(t, "other", func() { rawProto(t, p11.NS, p21.NS, p11.IPv4, p21.IPv4) })
 	})
 
-	// Stop both proxies: routing must be exactly as before.
+	// Stop both proxies: the rules stay (the pods' traffic is blocked
+	// while no proxy runs); uninstalling leaves routing exactly as before.
 	for _, m := range []nodeProc{m1, m2} {
 		if err := m.stop(syscall.SIGTERM); err != nil {
 			t.Errorf("meshtun exit after SIGTERM: %v\n%s", err, m.dump())
 		}
 	}
 	for _, n := range mc.c.Nodes {
-		assertSnapshot(t, n, before[n], "after SIGTERM")
+		if s := snapshot(t, n); s.Equal(before[n]) {
+			t.Errorf("after SIGTERM the routing of %s is as before meshtun: nothing blocks its pods' traffic", n.Name())
+		}
+		uninstall(t, n)
+		assertSnapshot(t, n, before[n], "after SIGTERM and uninstall")
 	}
 
 	t.Run("restart after SIGKILL cleans up and serves", func(t *testing.T) {
@@ -435,7 +440,8 @@ func TestDataPath(t *testing.T) {
 		if err := r.stop(syscall.SIGTERM); err != nil {
 			t.Fatalf("meshtun exit: %v", err)
 		}
-		assertSnapshot(t, n1, before[n1], "after SIGKILL, restart and SIGTERM")
+		uninstall(t, n1)
+		assertSnapshot(t, n1, before[n1], "after SIGKILL, restart, SIGTERM and uninstall")
 	})
 }
 

@@ -111,3 +111,14 @@ func clusterDir(t testing.TB, c *cluster.Cluster) string {
 func caDir(t testing.TB, c *cluster.Cluster) string {
 	return filepath.Join(clusterDir(t, c), "ca")
 }
+
+// uninstall removes meshtun from n (`meshtun node --uninstall`), which a
+// stopped proxy leaves blocking its pods' traffic.
+func uninstall(t testing.TB, n *cluster.Node) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	if err := noderun.Uninstall(ctx, meshtunBin, n); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -271,3 +271,21 @@ func (p *Process) Stop(sig syscall.Signal) error {
 	}
 	return p.err
 }
+
+// Uninstall runs `bin node --uninstall` in n's namespace: the explicit act
+// that removes the rules and blocking routes a stopped meshtun leaves (so
+// that its pods' traffic stays blocked while no proxy runs). It fails
+// while a meshtun still runs there.
+func Uninstall(ctx context.Context, bin string, n *cluster.Node) error {
+	cmd := n.Command(ctx, bin, "node", "--uninstall")
+	var out strings.Builder
+	cmd.Stdout, cmd.Stderr = &out, &out
+	proc, err := n.Start(cmd)
+	if err != nil {
+		return fmt.Errorf("noderun: uninstall in %s: %w", n.Name(), err)
+	}
+	if err := proc.Wait(); err != nil {
+		return fmt.Errorf("noderun: meshtun node --uninstall in %s: %w\n%s", n.Name(), err, out.String())
+	}
+	return nil
+}

@@ -1,0 +1,110 @@
+package node
+
+import (
+	"errors"
+	"net/netip"
+	"os"
+	"sync/atomic"
+	"time"
+
+	"github.com/rs/zerolog"
+
+	"github.com/meshtun/meshtun/mesh/config"
+	"github.com/meshtun/meshtun/tun"
+)
+
+// CaptureLinks returns the capture links of node name in c, each with the
+// addresses its pods may send from: the addresses of the node's mesh
+// workloads that name the link as their captureLink. A link listed only in
+// the node's captureLinks (no workload names it) may carry the addresses
+// of the node's mesh workloads that name no link. Any other source that
+// arrives on a capture link is spoofed and dropped.
+func CaptureLinks(c *config.Config, name string) ([]tun.CaptureLink, error) {
+	nc, err := c.Node(name)
+	if err != nil {
+		return nil, err
+	}
+	byLink := map[string][]netip.Addr{}
+	var unnamed []netip.Addr
+	for i := range c.Workloads {
+		w := &c.Workloads[i]
+		if w.Node != name || !w.InMesh() {
+			continue
+		}
+		if w.CaptureLink == "" {
+			unnamed = append(unnamed, w.Addresses...)
+			continue
+		}
+		byLink[w.CaptureLink] = append(byLink[w.CaptureLink], w.Addresses...)
+	}
+	var out []tun.CaptureLink
+	for _, l := range nc.CaptureLinks {
+		srcs, named := byLink[l]
+		if !named {
+			srcs = unnamed
+		}
+		out = append(out, tun.CaptureLink{Name: l, Sources: srcs})
+	}
+	return out, nil
+}
+
+// SinkName returns the name of the spoof sink device of the TUN tunName:
+// the name with "s" appended (its first 14 bytes, if it is 15 long).
+func SinkName(tunName string) string {
+	if len(tunName) > 14 {
+		tunName = tunName[:14]
+	}
+	return tunName + "s"
+}
+
+// spoofSink reads the packets that policy routing sends to the sink
+// device (a capture link's packets whose source is not one of that link's
+// pods), counts them and drops them. It logs the first one and then at
+// most one summary every spoofLogEvery.
+type spoofSink struct {
+	dev     *tun.Device
+	dropped atomic.Uint64
+	log     zerolog.Logger
+}
+
+const spoofLogEvery = 10 * time.Second
+
+func (s *spoofSink) run() {
+	buf := make([]byte, 1<<16)
+	var lastLog time.Time
+	var sinceLog uint64
+	for {
+		n, err := s.dev.Read(buf)
+		if err != nil {
+			if !errors.Is(err, os.ErrClosed) {
+				s.log.Error().Err(err).Str("tun", s.dev.Name()).Msg("spoof sink read")
+			}
+			return
+		}
+		src, dst := addrs(buf[s.dev.VnetHdrLen():n])
+		if dst.IsMulticast() {
+			// The device's own (MLD reports): routing never sends
+			// a forwarded multicast packet here.
+			continue
+		}
+		s.dropped.Add(1)
+		sinceLog++
+		if now := time.Now(); now.Sub(lastLog) >= spoofLogEvery {
+			s.log.Warn().Str("src", src.String()).Str("dst", dst.String()).Uint64("dropped", sinceLog).
+				Msg("dropped packets from a capture link whose source is not that link's pod (spoofed-source)")
+			lastLog, sinceLog = now, 0
+		}
+	}
+}
+
+// addrs returns the source and destination of an IPv4 or IPv6 packet
+// (invalid addresses if it is neither).
+func addrs(pkt []byte) (src, dst netip.Addr) {
+	switch {
+	case len(pkt) >= 20 && pkt[0]>>4 == 4:
+		return netip.AddrFrom4([4]byte(pkt[12:16])), netip.AddrFrom4([4]byte(pkt[16:20]))
+	case len(pkt) >= 40 && pkt[0]>>4 == 6:
+		return netip.AddrFrom16([16]byte(pkt[8:24])), netip.AddrFrom16([16]byte(pkt[24:40]))
+	}
+	return netip.Addr{}, netip.Addr{}
+}
