@@ -6,5 +6,7 @@
 // iptables, nftables, eBPF, TPROXY or conntrack. Every rule and route meshtun
 // installs carries its own routing table number and rule priority (see
 // [DefaultTable] and [DefaultPriority]), so that a later start can recognise
-// and remove what a crashed run left behind.
+// and adopt what an earlier run left behind: the rules and blocking routes
+// stay when meshtun stops, so that captured traffic is refused while no
+// proxy runs, until [Uninstall] removes them.
 package tun

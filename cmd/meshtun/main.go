@@ -21,6 +21,7 @@ const usage = `usage: meshtun <command> [flags]
 
 commands:
   node      run the node proxy in the current network namespace
+            (node --uninstall: remove meshtun's rules from it)
   bench     measure meshtun's data paths side by side (root; see -h)
   version   print the version
 

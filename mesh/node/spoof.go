@@ -49,12 +49,16 @@ func CaptureLinks(c *config.Config, name string) ([]tun.CaptureLink, error) {
 }
 
 // SinkName returns the name of the spoof sink device of the TUN tunName:
-// the name with "s" appended (its first 14 bytes, if it is 15 long).
+// the name with "s" appended (to its first 14 bytes if it is 15 long, and
+// then "z" if that would be tunName itself).
 func SinkName(tunName string) string {
-	if len(tunName) > 14 {
-		tunName = tunName[:14]
+	if len(tunName) <= 14 {
+		return tunName + "s"
 	}
-	return tunName + "s"
+	if s := tunName[:14] + "s"; s != tunName {
+		return s
+	}
+	return tunName[:14] + "z"
 }
 
 // spoofSink reads the packets that policy routing sends to the sink

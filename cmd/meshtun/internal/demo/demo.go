@@ -357,13 +357,20 @@ func (d *Demo) Close() error {
 		if d.wire != nil {
 			d.wire.Close()
 		}
-		// Nodes first, gently, so that they remove their routing and
-		// log their shutdown; the cluster then deletes the namespaces.
+		// Nodes first, gently, so that they log their shutdown; a
+		// stopped node keeps its pods' traffic blocked (fail closed), so
+		// meshtun is then uninstalled from it, the explicit act an
+		// operator would do; the cluster then deletes the namespaces.
 		var wg sync.WaitGroup
 		for _, p := range d.nodes {
 			wg.Go(func() {
 				if err := p.Stop(syscall.SIGTERM); err != nil {
 					d.log.Warn().Err(err).Str("netns", p.Node.Name()).Msg("demo: meshtun node exit")
+				}
+				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+				defer cancel()
+				if err := noderun.Uninstall(ctx, d.opts.Bin, p.Node); err != nil {
+					d.log.Warn().Err(err).Str("netns", p.Node.Name()).Msg("demo: meshtun node --uninstall")
 				}
 			})
 		}
