@@ -167,7 +167,11 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	}
 	n.sink = &spoofSink{dev: sinkDev, log: log}
 	go n.sink.run()
-	sys, err := tun.SetSysctls(dev.Name())
+	loose := []string{sinkDev.Name()} // see tun.SetSysctls: capture links cannot be strict
+	for _, l := range cfg.CaptureLinks {
+		loose = append(loose, l.Name)
+	}
+	sys, err := tun.SetSysctls(dev.Name(), loose...)
 	if err != nil {
 		sinkDev.Close()
 		dev.Close()
