@@ -268,7 +268,8 @@ func TestFailClosedWhileProxyDown(t *testing.T) {
 }
 
 // TestSpoofedSource: a pod that sends with its neighbour's address (IPv4
-// and IPv6) is dropped before the classifier, counted in
+// and IPv6), or another node's pod's address to a pod of its own node, is
+// dropped before the classifier, counted in
 // meshtun_packets_dropped_total{reason="spoofed-source"}, and no
 // connection is opened in the neighbour's name.
 func TestSpoofedSource(t *testing.T) {
@@ -285,21 +286,25 @@ func TestSpoofedSource(t *testing.T) {
 		}
 	}
 	srv := serve(t, p21, 7700, func(c net.Conn) { io.Copy(c, c) })
+	local := serve(t, p12, 7700, func(c net.Conn) { io.Copy(c, c) })
 	spoofed := func() float64 {
 		return value(scrape(t, mc.n1), "meshtun_packets_dropped_total", map[string]string{"reason": "spoofed-source"})
 	}
 	before := spoofed()
 
-	for _, pair := range [][2]netip.Addr{{p12.IPv4, p21.IPv4}, {p12.IPv6, p21.IPv6}} {
+	// The neighbour's address to a pod of the other node, in both
+	// families; and another node's pod address to a pod of the same node
+	// (the rule to that pod must not take the packet first).
+	for _, pair := range [][2]netip.Addr{{p12.IPv4, p21.IPv4}, {p12.IPv6, p21.IPv6}, {p21.IPv4, p12.IPv4}, {p21.IPv6, p12.IPv6}} {
 		src, dst := netip.AddrPortFrom(pair[0], 40123), netip.AddrPortFrom(pair[1], 7700)
 		if err := sendRaw(p11.NS, synPacket(src, dst)); err != nil {
 			t.Fatalf("send a SYN %s → %s from %s: %v", src, dst, p11.ID, err)
 		}
 	}
 	deadline := time.Now().Add(10 * time.Second)
-	for spoofed()-before < 2 {
+	for spoofed()-before < 4 {
 		if time.Now().After(deadline) {
-			t.Fatalf("meshtun_packets_dropped_total{reason=spoofed-source} on node 1 grew by %v, want 2 (one SYN per family)", spoofed()-before)
+			t.Fatalf("meshtun_packets_dropped_total{reason=spoofed-source} on node 1 grew by %v, want 4 (one per spoofed SYN)", spoofed()-before)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
@@ -320,6 +325,11 @@ func TestSpoofedSource(t *testing.T) {
 	accessLog(t, mc.m2, cl, "connection complete")
 	for got := srv.peer(t); got.Addr() != p11.IPv4; got = srv.peer(t) {
 		t.Errorf("the server accepted a connection from %s (the neighbour's address)", got)
+	}
+	select {
+	case p := <-local.peers:
+		t.Errorf("the same-node pod accepted a connection from %s", p)
+	default:
 	}
 	for _, m := range []nodeProc{mc.m1, mc.m2} {
 		for _, l := range m.Lines() {
