@@ -43,31 +43,43 @@ type sysctl struct{ key, old string }
 // Call Restore to put the previous values back.
 func SetSysctls(tunName string, loose ...string) (*Sysctls, error) {
 	s := &Sysctls{}
-	set := func(key, val string, only func(old string) bool) error {
+	// set writes val to key if only (nil: always) accepts the old value;
+	// with pin it writes a device's value even when it stays the same:
+	// a device value never written explicitly follows every later write
+	// to "default" (the kernel copies it), and must not.
+	set := func(key, val string, only func(old string) bool, pin bool) error {
 		old, err := readSysctl(key)
 		if err != nil {
 			return err
 		}
-		if old == val || (only != nil && !only(old)) {
+		if only != nil && !only(old) {
+			val = old
+		}
+		if old == val && !pin {
 			return nil
 		}
 		if err := writeSysctl(key, val); err != nil {
 			return err
 		}
-		s.saved = append(s.saved, sysctl{key, old})
+		if old != val {
+			s.saved = append(s.saved, sysctl{key, old})
+		}
 		return nil
 	}
 	fail := func(err error) (*Sysctls, error) {
 		s.Restore()
 		return nil, err
 	}
-	for _, st := range []struct{ key, val string }{
-		{"net/ipv4/ip_forward", "1"},
-		{"net/ipv6/conf/all/forwarding", "1"},
-		{"net/ipv4/conf/" + tunName + "/rp_filter", "0"},
-		{"net/ipv4/conf/" + tunName + "/accept_local", "1"},
+	for _, st := range []struct {
+		key, val string
+		pin      bool
+	}{
+		{"net/ipv4/ip_forward", "1", false},
+		{"net/ipv6/conf/all/forwarding", "1", false},
+		{"net/ipv4/conf/" + tunName + "/rp_filter", "0", true},
+		{"net/ipv4/conf/" + tunName + "/accept_local", "1", true},
 	} {
-		if err := set(st.key, st.val, nil); err != nil {
+		if err := set(st.key, st.val, nil, st.pin); err != nil {
 			return fail(err)
 		}
 	}
@@ -84,19 +96,23 @@ func SetSysctls(tunName string, loose ...string) (*Sysctls, error) {
 	}
 	notStrict := func(old string) bool { return old == "0" }
 	for _, e := range entries {
-		if e.Name() == "all" || e.Name() == tunName {
+		if e.Name() == "all" || e.Name() == "default" || e.Name() == tunName {
 			continue
 		}
 		val := "1"
-		if e.Name() == "default" || slices.Contains(loose, e.Name()) {
+		if slices.Contains(loose, e.Name()) {
 			val = "2"
 		}
-		err := set("net/ipv4/conf/"+e.Name()+"/rp_filter", val, notStrict)
+		err := set("net/ipv4/conf/"+e.Name()+"/rp_filter", val, notStrict, true)
 		if err != nil && !errors.Is(err, os.ErrNotExist) { // a device that just went
 			return fail(err)
 		}
 	}
-	if err := set("net/ipv4/conf/all/rp_filter", "0", nil); err != nil {
+	// "default" last: the devices are pinned by now.
+	if err := set("net/ipv4/conf/default/rp_filter", "2", notStrict, false); err != nil {
+		return fail(err)
+	}
+	if err := set("net/ipv4/conf/all/rp_filter", "0", nil, false); err != nil {
 		return fail(err)
 	}
 	return s, nil

@@ -415,3 +415,61 @@ func csum(b []byte) uint16 {
 	}
 	return ^uint16(sum)
 }
+
+// TestStrictReversePathFilter: on nodes whose net.ipv4.conf.all.rp_filter
+// is strict, meshtun moves the strictness to the devices instead of
+// lowering it for the whole node: the uplink stays strict, the capture
+// link and new devices become loose, the TUN has none, and "all" is 0;
+// mesh TCP, verbatim UDP and ICMP work in both directions; a stop puts
+// every value back.
+func TestStrictReversePathFilter(t *testing.T) {
+	c := cluster.NewT(t, cluster.Spec{Name: "rpf", Nodes: 2, PodsPerNode: 1, NoExternal: true})
+	n1, n2 := c.Nodes[0], c.Nodes[1]
+	p11, p21 := n1.Pods[0], n2.Pods[0]
+	for _, n := range c.Nodes {
+		if err := n.SetSysctl("net.ipv4.conf.all.rp_filter", "1"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	values := func(n *cluster.Node, devs ...string) map[string]string {
+		out := map[string]string{}
+		for _, d := range devs {
+			v, err := n.Sysctl("net.ipv4.conf." + d + ".rp_filter")
+			if err != nil {
+				t.Fatal(err)
+			}
+			out[d] = v
+		}
+		return out
+	}
+	devs := []string{"all", "default", n1.Uplink, p11.HostLink}
+	before := values(n1, devs...)
+	cfg := writeConfig(t, c, noderun.Mesh{})
+	m1 := startWithConfig(t, n1, cfg)
+	startWithConfig(t, n2, cfg)
+
+	want := map[string]string{"all": "0", "default": "2", n1.Uplink: "1", p11.HostLink: "2", "meshtun0": "0"}
+	if got := values(n1, "all", "default", n1.Uplink, p11.HostLink, "meshtun0"); fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Errorf("rp_filter while meshtun runs: %v, want %v", got, want)
+	}
+	serve(t, p21, 7800, func(c net.Conn) { io.Copy(c, c) })
+	serve(t, p11, 7801, func(c net.Conn) { io.Copy(c, c) })
+	for _, d := range []struct {
+		from *cluster.Pod
+		to   netip.AddrPort
+	}{{p11, netip.AddrPortFrom(p21.IPv4, 7800)}, {p21, netip.AddrPortFrom(p11.IPv4, 7801)}} {
+		cl := dial(t, d.from.NS, d.to.Addr(), int(d.to.Port()))
+		echo(t, cl)
+		cl.Close()
+	}
+	udpEcho(t, p11.NS, p11.IPv4, p21.NS, p21.IPv4, 9801)
+	udpEcho(t, p21.NS, p21.IPv4, p11.NS, p11.IPv4, 9802)
+	ping(t, p11.NS, p21.IPv4)
+
+	if err := m1.Stop(syscall.SIGTERM); err != nil {
+		t.Fatalf("meshtun exit after SIGTERM: %v", err)
+	}
+	if got := values(n1, devs...); fmt.Sprint(got) != fmt.Sprint(before) {
+		t.Errorf("rp_filter after the stop: %v, want them as before: %v", got, before)
+	}
+}
