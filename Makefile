@@ -3,7 +3,7 @@ GO      ?= go
 BIN     := bin/meshtun
 PKGS    := ./...
 
-.PHONY: all build test unit e2e vet fuzz bench demo clean
+.PHONY: all build test unit e2e vet fuzz bench demo clean image image-push image-test
 
 all: build
 
@@ -38,6 +38,35 @@ demo: build
 bench: build
 	$(GO) test -run '^$$' -bench . -benchmem ./stack/classify
 	./$(BIN) bench --peers --json bench/results/bench.json --out bench/results $(BENCHFLAGS)
+
+# image builds the container image without a container runtime or a base
+# image to pull (deploy/image, go-containerregistry): a static meshtun at
+# /usr/local/bin/meshtun on an empty base, written as a docker-archive
+# tarball for `kind load image-archive` or `docker load`. IMAGE_TAG names it
+# (deploy/kubernetes runs meshtun:dev); IMAGE_PLATFORM picks the
+# architecture (the host's by default). Timestamps are the commit time, or
+# SOURCE_DATE_EPOCH: one commit gives one image digest.
+IMAGE_TAG      ?= meshtun:dev
+IMAGE_PLATFORM ?= linux/$(shell $(GO) env GOARCH)
+IMAGE_ARCHIVE  := bin/meshtun-image.tar
+
+image:
+	cd deploy/image && $(GO) run . --repo $(CURDIR) --tag $(IMAGE_TAG) \
+		--platforms $(IMAGE_PLATFORM) --out $(CURDIR)/$(IMAGE_ARCHIVE)
+
+# image-push builds the image for IMAGE_PLATFORMS and pushes it, as one
+# multi-platform index, to IMAGE (a full reference such as
+# registry.example/meshtun:v1), with the credentials of `docker login` or
+# `crane auth login` (~/.docker/config.json). Never run by make test.
+IMAGE_PLATFORMS ?= linux/amd64,linux/arm64
+
+image-push:
+	@test -n "$(IMAGE)" || { echo 'image-push: set IMAGE, e.g. make image-push IMAGE=registry.example/meshtun:v1' >&2; exit 2; }
+	cd deploy/image && $(GO) run . --repo $(CURDIR) --platforms $(IMAGE_PLATFORMS) --push $(IMAGE)
+
+# image-test builds the image (both platforms) and checks what is inside it.
+image-test:
+	cd deploy/image && $(GO) vet ./... && $(GO) test -count=1 -timeout 15m ./...
 
 clean:
 	rm -rf bin
