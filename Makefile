@@ -53,7 +53,7 @@ IMAGE_PLATFORM ?= linux/$(shell $(GO) env GOARCH)
 IMAGE_ARCHIVE  := bin/meshtun-image.tar
 
 image:
-	cd deploy/image && $(GO) run . --repo $(CURDIR) --tag $(IMAGE_TAG) \
+	cd deploy/image && GO=$(GO) $(GO) run . --repo $(CURDIR) --tag $(IMAGE_TAG) \
 		--platforms $(IMAGE_PLATFORM) --out $(CURDIR)/$(IMAGE_ARCHIVE)
 
 # image-push builds the image for IMAGE_PLATFORMS and pushes it, as one
@@ -64,13 +64,13 @@ IMAGE_PLATFORMS ?= linux/amd64,linux/arm64
 
 image-push:
 	@test -n "$(IMAGE)" || { echo 'image-push: set IMAGE, e.g. make image-push IMAGE=registry.example/meshtun:v1' >&2; exit 2; }
-	cd deploy/image && $(GO) run . --repo $(CURDIR) --platforms $(IMAGE_PLATFORMS) --push $(IMAGE)
+	cd deploy/image && GO=$(GO) $(GO) run . --repo $(CURDIR) --platforms $(IMAGE_PLATFORMS) --push $(IMAGE)
 
 # image-test builds the image (both platforms) and checks what is inside it:
 # tag, layer, entrypoint, labels, that the binary runs, that two builds match,
 # and a push to a registry on loopback.
 image-test:
-	cd deploy/image && $(GO) vet ./... && $(GO) test -count=1 -timeout 15m ./...
+	cd deploy/image && $(GO) vet ./... && GO=$(GO) $(GO) test -count=1 -timeout 15m ./...
 
 clean:
 	rm -rf bin
