@@ -392,14 +392,15 @@ func Uninstall() error {
 
 // RemoveStale deletes every policy rule that points at table or table+1,
 // or has meshtun's exemption priority (DefaultPriority-1) and points at the
-// main table, and every route in the two tables, for IPv4 and IPv6. Unlike
+// main table, and every route in the two tables, for IPv4 and IPv6; and
+// the local-delivery rules and routes (table+2, LocalDelivery). Unlike
 // Uninstall it does not check whether a proxy runs.
 func RemoveStale(table int) error {
 	rules, err := ours(table, DefaultPriority)
 	if err != nil {
 		return err
 	}
-	var errs []error
+	errs := []error{removeStaleLocal(table + 2)}
 	for _, rule := range rules {
 		if err := netlink.RuleDel(rule); err != nil && !errors.Is(err, unix.ENOENT) {
 			errs = append(errs, fmt.Errorf("tun: delete rule %s: %w", rule, err))

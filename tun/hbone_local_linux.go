@@ -1,0 +1,288 @@
+package tun
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"sync"
+	"syscall"
+
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+)
+
+// LocalTable is the routing table of the local-delivery rules: two after
+// DefaultTable (0x6d76; 0x6d75 is the spoof table). It holds one route per family, "local
+// 0.0.0.0/0 dev lo" and "local ::/0 dev lo", so every packet a rule sends
+// there is delivered to a socket of the node.
+const LocalTable = DefaultTable + 2
+
+// ErrNoPortRules means the kernel does not match rules on ipproto and
+// dport (Linux < 4.17): a rule added with them would match every packet
+// to the address, so none is installed.
+var ErrNoPortRules = errors.New("tun: the kernel does not match policy rules on ipproto/dport (Linux 4.17 or later needed)")
+
+// LocalDeliveryConfig says which TCP port of which pod addresses the node
+// terminates itself.
+type LocalDeliveryConfig struct {
+	// Port is the TCP destination port delivered locally (HBONE's 15008).
+	Port uint16
+	// Table is the routing table of the local routes; 0 means LocalTable.
+	Table int
+	// Priority of the rules; 0 means DefaultPriority-1, the exemptions'
+	// priority. The kernel places a rule after the existing rules of the
+	// same priority, so when these are installed after InstallRouting they
+	// sit after its exemptions (what the TUN writes back to a pod's port
+	// 15008, a connection the netstack dials on behalf of a client, still
+	// reaches the pod) and before the capture rules.
+	Priority int
+	// Pods are the addresses whose Port is delivered locally.
+	Pods []netip.Addr
+}
+
+// LocalDelivery is the set of rules and routes that deliver one TCP port
+// of the local pods' addresses to the node's own sockets, while every
+// other port of the pods is routed as before:
+//
+//	ip rule add to <pod> ipproto tcp dport <port> lookup <table>
+//	ip route add local 0.0.0.0/0 dev lo table <table>
+//
+// A socket listening on the port with IP_TRANSPARENT (ListenTransparent)
+// accepts those connections; its local address is the pod's. No netfilter
+// object is involved.
+type LocalDelivery struct {
+	mu     sync.Mutex
+	cfg    LocalDeliveryConfig
+	rules  map[netip.Addr]*netlink.Rule
+	routes []*netlink.Route
+	fams   map[int]bool // families with a local route
+	closed bool
+}
+
+// InstallLocalDelivery checks that the kernel honours ipproto/dport in
+// policy rules (ErrNoPortRules if not), then installs the local routes and
+// one rule per pod address. Install it after InstallRouting (see
+// LocalDeliveryConfig.Priority). A family whose local route cannot be added
+// (IPv6 disabled) is skipped with its pods; the error of the other family
+// is returned. On error nothing stays installed.
+func InstallLocalDelivery(cfg LocalDeliveryConfig) (*LocalDelivery, error) {
+	if cfg.Port == 0 {
+		return nil, errors.New("tun: local delivery needs a port")
+	}
+	if cfg.Table == 0 {
+		cfg.Table = LocalTable
+	}
+	if cfg.Priority == 0 {
+		cfg.Priority = DefaultPriority - 1
+	}
+	if err := removeStaleLocal(cfg.Table); err != nil {
+		return nil, err
+	}
+	if err := probePortRules(cfg); err != nil {
+		return nil, err
+	}
+	ld := &LocalDelivery{cfg: cfg, rules: map[netip.Addr]*netlink.Rule{}, fams: map[int]bool{}}
+	lo, err := netlink.LinkByName("lo")
+	if err != nil {
+		return nil, fmt.Errorf("tun: local delivery: %w", err)
+	}
+	var errs []error
+	for _, dst := range []*net.IPNet{
+		{IP: net.IPv4zero, Mask: net.CIDRMask(0, 32)},
+		{IP: net.IPv6zero, Mask: net.CIDRMask(0, 128)},
+	} {
+		rt := &netlink.Route{
+			LinkIndex: lo.Attrs().Index, Dst: dst, Table: cfg.Table,
+			Type: unix.RTN_LOCAL, Scope: netlink.SCOPE_HOST,
+		}
+		if err := netlink.RouteAdd(rt); err != nil {
+			errs = append(errs, fmt.Errorf("tun: add route local %s dev lo table %d: %w", dst, cfg.Table, err))
+			continue
+		}
+		ld.routes = append(ld.routes, rt)
+		ld.fams[addrFamily(dst.IP.To4() == nil)] = true
+	}
+	if len(ld.routes) == 0 {
+		return nil, errors.Join(errs...)
+	}
+	if err := ld.Update(cfg.Pods); err != nil {
+		ld.Close()
+		return nil, err
+	}
+	return ld, nil
+}
+
+// probePortRules adds a rule with ipproto and dport that points at the
+// (still empty) table, so that it matches nothing, and reads it back: a
+// kernel older than 4.17 ignores the attributes it does not know and would
+// keep the rule without them.
+func probePortRules(cfg LocalDeliveryConfig) error {
+	rule := netlink.NewRule()
+	rule.Family = unix.AF_INET
+	rule.Table = cfg.Table
+	rule.Priority = cfg.Priority
+	rule.IPProto = unix.IPPROTO_TCP
+	rule.Dport = netlink.NewRulePortRange(cfg.Port, cfg.Port)
+	if err := netlink.RuleAdd(rule); err != nil {
+		if errors.Is(err, unix.EINVAL) || errors.Is(err, unix.EOPNOTSUPP) {
+			return fmt.Errorf("%w: %w", ErrNoPortRules, err)
+		}
+		return fmt.Errorf("tun: add rule %s: %w", rule, err)
+	}
+	defer netlink.RuleDel(rule)
+	got, err := netlink.RuleListFiltered(unix.AF_INET, &netlink.Rule{Table: cfg.Table}, netlink.RT_FILTER_TABLE)
+	if err != nil {
+		return fmt.Errorf("tun: list rules: %w", err)
+	}
+	for _, r := range got {
+		if r.Dst == nil && r.IPProto == unix.IPPROTO_TCP && r.Dport != nil && *r.Dport == *rule.Dport {
+			return nil
+		}
+	}
+	return ErrNoPortRules
+}
+
+func addrFamily(is6 bool) int {
+	if is6 {
+		return unix.AF_INET6
+	}
+	return unix.AF_INET
+}
+
+// Families reports whether IPv4 and IPv6 pods are delivered locally.
+func (ld *LocalDelivery) Families() (v4, v6 bool) {
+	ld.mu.Lock()
+	defer ld.mu.Unlock()
+	return ld.fams[unix.AF_INET], ld.fams[unix.AF_INET6]
+}
+
+// Covers reports whether a's port is delivered locally.
+func (ld *LocalDelivery) Covers(a netip.Addr) bool {
+	ld.mu.Lock()
+	defer ld.mu.Unlock()
+	_, ok := ld.rules[a.Unmap()]
+	return ok
+}
+
+// Update sets the pod addresses whose port is delivered locally: new rules
+// first, then the old ones go. Addresses of a family without a local
+// route are left out (their port keeps the capture path).
+func (ld *LocalDelivery) Update(pods []netip.Addr) error {
+	ld.mu.Lock()
+	defer ld.mu.Unlock()
+	if ld.closed {
+		return errors.New("tun: local delivery already removed")
+	}
+	want := make(map[netip.Addr]bool, len(pods))
+	var errs []error
+	for _, a := range pods {
+		a = a.Unmap()
+		fam := addrFamily(a.Is6())
+		if !ld.fams[fam] || want[a] {
+			continue
+		}
+		want[a] = true
+		if _, ok := ld.rules[a]; ok {
+			continue
+		}
+		rule := netlink.NewRule()
+		rule.Family = fam
+		rule.Table = ld.cfg.Table
+		rule.Priority = ld.cfg.Priority
+		rule.Dst = prefixToIPNet(netip.PrefixFrom(a, a.BitLen()))
+		rule.IPProto = unix.IPPROTO_TCP
+		rule.Dport = netlink.NewRulePortRange(ld.cfg.Port, ld.cfg.Port)
+		if err := netlink.RuleAdd(rule); err != nil {
+			errs = append(errs, fmt.Errorf("tun: add rule %s: %w", rule, err))
+			continue
+		}
+		ld.rules[a] = rule
+	}
+	for a, rule := range ld.rules {
+		if want[a] {
+			continue
+		}
+		if err := netlink.RuleDel(rule); err != nil && !errors.Is(err, unix.ENOENT) {
+			errs = append(errs, fmt.Errorf("tun: delete rule %s: %w", rule, err))
+			continue
+		}
+		delete(ld.rules, a)
+	}
+	return errors.Join(errs...)
+}
+
+// Close removes the rules, then the routes.
+func (ld *LocalDelivery) Close() error {
+	ld.mu.Lock()
+	defer ld.mu.Unlock()
+	ld.closed = true
+	var errs []error
+	for a, rule := range ld.rules {
+		if err := netlink.RuleDel(rule); err != nil && !errors.Is(err, unix.ENOENT) {
+			errs = append(errs, fmt.Errorf("tun: delete rule %s: %w", rule, err))
+		}
+		delete(ld.rules, a)
+	}
+	for _, rt := range ld.routes {
+		if err := netlink.RouteDel(rt); err != nil && !errors.Is(err, unix.ESRCH) {
+			errs = append(errs, fmt.Errorf("tun: delete route %s: %w", rt, err))
+		}
+	}
+	ld.routes = nil
+	return errors.Join(errs...)
+}
+
+// removeStaleLocal deletes the rules that point at the local table and
+// the table's routes, for IPv4 and IPv6: what a run that did not exit
+// cleanly left.
+func removeStaleLocal(table int) error {
+	var errs []error
+	for _, family := range []int{unix.AF_INET, unix.AF_INET6} {
+		rules, err := netlink.RuleListFiltered(family, &netlink.Rule{Table: table}, netlink.RT_FILTER_TABLE)
+		if err != nil {
+			return fmt.Errorf("tun: list rules: %w", err)
+		}
+		for i := range rules {
+			if err := netlink.RuleDel(&rules[i]); err != nil && !errors.Is(err, unix.ENOENT) {
+				errs = append(errs, fmt.Errorf("tun: delete stale rule %s: %w", rules[i], err))
+			}
+		}
+		routes, err := netlink.RouteListFiltered(family, &netlink.Route{Table: table}, netlink.RT_FILTER_TABLE)
+		if err != nil {
+			return fmt.Errorf("tun: list routes of table %d: %w", table, err)
+		}
+		for i := range routes {
+			if err := netlink.RouteDel(&routes[i]); err != nil && !errors.Is(err, unix.ESRCH) {
+				errs = append(errs, fmt.Errorf("tun: delete stale route %s: %w", routes[i], err))
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// TransparentSocket sets SO_MARK to Mark and IP_TRANSPARENT (IPv4) or
+// IPV6_TRANSPARENT (IPv6, which covers the IPv4 side of a dual-stack
+// socket too) on a socket: a listener with it answers connections to
+// addresses the node does not own (the pods' addresses that
+// LocalDelivery sends it), from those addresses. It has the signature of
+// net.ListenConfig.Control; it needs CAP_NET_ADMIN.
+func TransparentSocket(network, address string, c syscall.RawConn) error {
+	if err := MarkSocket(network, address, c); err != nil {
+		return err
+	}
+	var serr error
+	if err := c.Control(func(fd uintptr) {
+		if network == "tcp4" || network == "udp4" {
+			serr = unix.SetsockoptInt(int(fd), unix.SOL_IP, unix.IP_TRANSPARENT, 1)
+		} else {
+			serr = unix.SetsockoptInt(int(fd), unix.SOL_IPV6, unix.IPV6_TRANSPARENT, 1)
+		}
+	}); err != nil {
+		return err
+	}
+	if serr != nil {
+		return fmt.Errorf("tun: IP_TRANSPARENT on %s %s: %w", network, address, serr)
+	}
+	return nil
+}
