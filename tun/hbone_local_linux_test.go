@@ -18,7 +18,8 @@ import (
 // transparent listener of the node accepts it, with the pod's address as
 // its local address (IPv4 and IPv6); any other port of the pod still
 // routes into the TUN, and port 15008 coming back from the TUN (a dial
-// the netstack makes for a client) still reaches the pod's link. Close
+// the netstack makes for a client) still reaches the pod's link, and
+// from another local pod's link it is captured as before. Close
 // and the stale-state cleanup remove everything.
 func TestLocalDelivery(t *testing.T) {
 	inNewNetns(t)
@@ -104,7 +105,7 @@ func TestLocalDelivery(t *testing.T) {
 		PodPrefixes: []netip.Prefix{netip.PrefixFrom(pod4, 32), netip.PrefixFrom(pod6, 128)}})
 	must(err)
 	defer r.Close()
-	ld, err := InstallLocalDelivery(LocalDeliveryConfig{Port: 15008, Pods: []netip.Addr{pod4, pod6}})
+	ld, err := InstallLocalDelivery(LocalDeliveryConfig{Port: 15008, Pods: []netip.Addr{pod4, pod6}, CaptureLinks: []string{"pod0"}})
 	must(err)
 	defer ld.Close()
 	if v4, v6 := ld.Families(); !v4 || !v6 {
@@ -140,7 +141,8 @@ func TestLocalDelivery(t *testing.T) {
 	}
 
 	// Other ports from the uplink go into the TUN; port 15008 from the
-	// TUN goes to the pod's link; port 15008 from the uplink is local.
+	// TUN goes to the pod's link; port 15008 from the uplink is local, from
+	// a captured pod's link (another local pod) it is captured as before.
 	for _, tc := range []struct {
 		from, pod netip.Addr
 		iif       string
@@ -153,6 +155,8 @@ func TestLocalDelivery(t *testing.T) {
 		{client6, pod6, "up0", "15008", "local " + pod6.String()},
 		{client4, pod4, "mt0", "15008", "dev pod0"},
 		{client6, pod6, "mt0", "15008", "dev pod0"},
+		{netip.MustParseAddr("198.18.201.12"), pod4, "pod0", "15008", "dev mt0"},
+		{netip.MustParseAddr("fd00:6d74:201::12"), pod6, "pod0", "15008", "dev mt0"},
 	} {
 		out, err := exec.Command("ip", "route", "get", tc.pod.String(), "from", tc.from.String(), "iif", tc.iif,
 			"ipproto", "tcp", "dport", tc.port).CombinedOutput()
@@ -165,7 +169,7 @@ func TestLocalDelivery(t *testing.T) {
 	}
 
 	// A pod that leaves loses its rule.
-	must(ld.Update([]netip.Addr{pod6}))
+	must(ld.Update([]string{"pod0"}, []netip.Addr{pod6}))
 	if ld.Covers(pod4) || !ld.Covers(pod6) {
 		t.Errorf("after Update(%s): covers %s %v, %s %v", pod6, pod4, ld.Covers(pod4), pod6, ld.Covers(pod6))
 	}
