@@ -21,6 +21,7 @@ func runNode(ctx context.Context, args []string) error {
 		path, name, logLevel string
 		noIntercept          bool
 		uninstall            bool
+		hboneNetstack        bool
 		drain                time.Duration
 		procs                int
 	)
@@ -28,6 +29,7 @@ func runNode(ctx context.Context, args []string) error {
 	fs.StringVar(&name, "node", "", "this node's `name` in the config file (required)")
 	fs.BoolVar(&noIntercept, "no-intercept", false, "intercept nothing: every packet goes through the TUN verbatim (for measuring the TUN path alone)")
 	fs.BoolVar(&uninstall, "uninstall", false, "remove meshtun from this network namespace (its rules and blocking routes, which a stopped proxy leaves so that captured traffic stays blocked) and exit; refused while a proxy runs")
+	fs.BoolVar(&hboneNetstack, "hbone-netstack", false, "terminate inbound HBONE on the netstack through the TUN, not on a kernel socket (the fallback when the kernel cannot; for comparisons)")
 	fs.DurationVar(&drain, "drain-period", node.DefaultDrainPeriod, "on SIGTERM, how long open connections may take to finish")
 	fs.StringVar(&logLevel, "log-level", "info", "log `level`: trace, debug, info, warn, error")
 	fs.IntVar(&procs, "procs", 0, "`threads` running Go code at once (GOMAXPROCS); 0: half the CPUs the process may use, at least 1 (the GOMAXPROCS environment variable, if set, wins)")
@@ -78,19 +80,20 @@ func runNode(ctx context.Context, args []string) error {
 		return err
 	}
 	err = node.Run(ctx, node.Config{
-		Name:          nc.Name,
-		TUN:           tun.Config{Name: nc.TUN.Name, MTU: nc.TUN.MTU, TxQueueLen: nc.TUN.TxQueueLen},
-		CaptureLinks:  links,
-		Mesh:          mesh,
-		CA:            identity.CAConfig{Dir: c.CA.Dir, SVIDTTL: c.CA.SVIDTTL},
-		ConfigPath:    c.Path,
-		ConfigSum:     c.Sum(),
-		NoIntercept:   noIntercept,
-		AdminAddr:     nc.Listen.Admin,
-		MetricsAddr:   nc.Listen.Metrics,
-		ReadinessAddr: nc.Listen.Readiness,
-		DrainPeriod:   drain,
-		Logger:        log,
+		Name:            nc.Name,
+		TUN:             tun.Config{Name: nc.TUN.Name, MTU: nc.TUN.MTU, TxQueueLen: nc.TUN.TxQueueLen},
+		CaptureLinks:    links,
+		Mesh:            mesh,
+		CA:              identity.CAConfig{Dir: c.CA.Dir, SVIDTTL: c.CA.SVIDTTL},
+		ConfigPath:      c.Path,
+		ConfigSum:       c.Sum(),
+		NoIntercept:     noIntercept,
+		HBONEOnNetstack: hboneNetstack,
+		AdminAddr:       nc.Listen.Admin,
+		MetricsAddr:     nc.Listen.Metrics,
+		ReadinessAddr:   nc.Listen.Readiness,
+		DrainPeriod:     drain,
+		Logger:          log,
 	})
 	if errors.Is(err, context.Canceled) {
 		return nil

@@ -28,6 +28,10 @@ type DataPlaneStats struct {
 
 	HBONEConns, HBONEStreams int // outbound pool
 	HBONEServerConns         int // inbound connections being served
+	// HBONEInbound counts the inbound HBONE connections accepted, by
+	// socket: "kernel" (delivered locally by the node's routing) or
+	// "netstack" (captured through the TUN).
+	HBONEInbound map[string]uint64
 
 	// CertExpiry is the expiry of each local identity's certificate.
 	CertExpiry map[string]time.Time
@@ -55,12 +59,13 @@ var (
 	descPoolConns = prometheus.NewDesc("meshtun_hbone_pool_connections", "Outbound HBONE connections in the pool.", nil, nil)
 	descPoolStrms = prometheus.NewDesc("meshtun_hbone_pool_streams", "Outbound HBONE streams open.", nil, nil)
 	descSrvConns  = prometheus.NewDesc("meshtun_hbone_server_connections", "Inbound HBONE connections being served.", nil, nil)
+	descInbound   = prometheus.NewDesc("meshtun_hbone_inbound_connections_total", "Inbound HBONE connections accepted, by the socket that terminated them (kernel, netstack).", []string{"socket"}, nil)
 	descExpiry    = prometheus.NewDesc("meshtun_certificate_expiry_seconds", "Expiry of each local identity's certificate, in Unix seconds.", []string{"identity"}, nil)
 )
 
 func (d *dataPlane) Describe(ch chan<- *prometheus.Desc) {
 	for _, desc := range []*prometheus.Desc{descPackets, descBytes, descDrops, descPktDrops, descOutbound, descFlows, descInserted, descExpired,
-		descRetrans, descFwdDrops, descWriteErrs, descPoolConns, descPoolStrms, descSrvConns, descExpiry} {
+		descRetrans, descFwdDrops, descWriteErrs, descPoolConns, descPoolStrms, descSrvConns, descInbound, descExpiry} {
 		ch <- desc
 	}
 }
@@ -95,6 +100,9 @@ func (d *dataPlane) Collect(ch chan<- prometheus.Metric) {
 	gauge(descPoolConns, float64(s.HBONEConns))
 	gauge(descPoolStrms, float64(s.HBONEStreams))
 	gauge(descSrvConns, float64(s.HBONEServerConns))
+	for socket, n := range s.HBONEInbound {
+		counter(descInbound, n, socket)
+	}
 	for id, t := range s.CertExpiry {
 		gauge(descExpiry, float64(t.Unix()), id)
 	}

@@ -53,6 +53,10 @@ type Config struct {
 	// NoIntercept leaves every packet verbatim: the TUN is in the path but
 	// no flow is proxied. For measuring the TUN path alone.
 	NoIntercept bool
+	// HBONEOnNetstack terminates inbound HBONE on the netstack, through
+	// the TUN, as when the kernel cannot deliver a pod's port 15008 to a
+	// node socket (the fallback; for tests and comparisons).
+	HBONEOnNetstack bool
 	// AdminAddr is where the admin HTTP server listens (/config_dump,
 	// /logging, /debug/pprof/); empty disables it. Keep it on loopback.
 	AdminAddr string
@@ -260,6 +264,20 @@ func Run(ctx context.Context, cfg Config) (err error) {
 		return err
 	}
 	n.routes = routes
+	// Inbound HBONE on a kernel socket; its rules go before the routes
+	// through the TUN (defers run in reverse), and then port 15008 of the
+	// pods meets the blocking routes like every other port.
+	hboneOn := "netstack"
+	if !cfg.HBONEOnNetstack && !cfg.NoIntercept {
+		if n.local = n.kernelHBONE(runCtx, locals); n.local != nil {
+			hboneOn = "kernel"
+			defer func() {
+				if lerr := n.local.Close(); lerr != nil {
+					log.Error().Err(lerr).Msg("remove HBONE local delivery")
+				}
+			}()
+		}
+	}
 
 	if cfg.ConfigPath != "" {
 		go watchConfig(runCtx, cfg.ConfigPath, n, log)
@@ -271,7 +289,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 		linkNames = append(linkNames, l.Name)
 	}
 	log.Info().Str("node", cfg.Name).Str("tun", dev.Name()).Int("mtu", dev.MTU()).
-		Strs("capture_links", linkNames).
+		Strs("capture_links", linkNames).Str("hbone_inbound", hboneOn).
 		Int("workloads", len(locals)).Str("trust_domain", cfg.Mesh.TrustDomain.String()).
 		Msg(ReadyMessage)
 	<-ctx.Done()
@@ -303,6 +321,7 @@ type node struct {
 	st      *stack.Stack
 	px      *proxy.Proxy
 	routes  *tun.Routing
+	local   *tun.LocalDelivery // nil: inbound HBONE on the netstack
 	sink    *spoofSink
 	ready   atomic.Bool
 }
@@ -333,8 +352,10 @@ func (n *node) dataPlaneStats() metrics.DataPlaneStats {
 		PacketDrops: map[string]uint64{
 			"spoofed-source": n.sink.dropped.Load(),
 		},
-		CertExpiry: map[string]time.Time{},
+		CertExpiry:   map[string]time.Time{},
+		HBONEInbound: map[string]uint64{},
 	}
+	d.HBONEInbound["kernel"], d.HBONEInbound["netstack"] = n.px.HBONEAccepted()
 	for p := range cs.VerbatimPackets {
 		proto := classify.Proto(p).String()
 		d.Packets[[2]string{"verbatim", proto}] = cs.VerbatimPackets[p]
@@ -497,6 +518,10 @@ func (n *node) apply(ctx context.Context, c *config.Config, snap *registry.Snaps
 		n.log.Error().Err(err).Str("config", path).Msg("config reload: this node is gone from the file; capture unchanged")
 	} else if err := n.routes.Update(links, podPrefixes(locals)); err != nil {
 		n.log.Error().Err(err).Msg("config reload: update capture rules")
+	} else if n.local != nil {
+		if err := n.local.Update(nil, podAddrs(locals)); err != nil {
+			n.log.Error().Err(err).Msg("config reload: update HBONE local-delivery rules")
+		}
 	}
 	closed := n.px.Reauthorize()
 	n.log.Info().Str("config", path).Int("workloads", len(snap.Workloads)).Int("services", len(snap.Services)).

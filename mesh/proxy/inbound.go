@@ -28,6 +28,7 @@ func (p *Proxy) inbound(req *stack.TCPRequest, dst *registry.Workload) {
 			Msg("HBONE connection: handshake failed")
 		return
 	}
+	p.hboneNetstack.Add(1)
 	p.server.Load().ServeConn(p.ctx, c)
 }
 

@@ -83,6 +83,8 @@ type Proxy struct {
 	draining atomic.Bool
 	quiet    atomic.Bool // access log off
 	open     tracker     // relayed connections, for Drain and Reauthorize
+
+	hboneKernel, hboneNetstack atomic.Uint64 // inbound HBONE connections accepted
 }
 
 // New returns a Proxy whose connections live until ctx is done.

@@ -1,0 +1,61 @@
+package node
+
+import (
+	"context"
+	"net"
+	"net/netip"
+	"strconv"
+
+	"github.com/meshtun/meshtun/mesh/registry"
+	"github.com/meshtun/meshtun/protocols/hbone"
+	"github.com/meshtun/meshtun/tun"
+)
+
+// kernelHBONE terminates inbound HBONE on a kernel socket: a transparent
+// listener on port 15008 (all addresses), and the rules that deliver a
+// local pod's port 15008 to it (tun.LocalDelivery), installed after the
+// capture rules of InstallRouting. The TLS leg then has the kernel's TCP
+// (segmentation and receive offloads) instead of a netstack leg through
+// the TUN; the workload leg stays on the netstack. If the kernel lacks
+// what it needs (rules on ipproto/dport, IP_TRANSPARENT) or the port is
+// taken, it logs a warning and returns nil: HBONE stays on the netstack
+// path, which capturePolicy keeps selecting for any port 15008 the rules
+// do not cover.
+func (n *node) kernelHBONE(ctx context.Context, locals []*registry.Workload) *tun.LocalDelivery {
+	log := n.log.With().Str("fallback", "netstack").Logger()
+	lc := net.ListenConfig{Control: tun.TransparentSocket}
+	ln, err := lc.Listen(ctx, "tcp", ":"+strconv.Itoa(hbone.Port))
+	if err != nil {
+		log.Warn().Err(err).Msg("inbound HBONE: no transparent listener on the node; terminating on the netstack")
+		return nil
+	}
+	ld, err := tun.InstallLocalDelivery(tun.LocalDeliveryConfig{
+		Port: hbone.Port, Pods: podAddrs(locals),
+	})
+	if err != nil {
+		ln.Close()
+		log.Warn().Err(err).Msg("inbound HBONE: cannot deliver the pods' port 15008 to the node; terminating on the netstack")
+		return nil
+	}
+	if v4, v6 := ld.Families(); !v4 || !v6 {
+		n.log.Warn().Bool("ipv4", v4).Bool("ipv6", v6).Msg("inbound HBONE: local delivery for one address family only; the other terminates on the netstack")
+	}
+	go func() {
+		if err := n.px.ServeHBONE(ctx, ln); err != nil {
+			// Without a listener the rules would blackhole port 15008:
+			// remove them, so that the netstack takes it again.
+			cerr := ld.Close()
+			n.log.Error().Err(err).AnErr("remove_rules", cerr).Msg("inbound HBONE listener stopped; terminating on the netstack")
+		}
+	}()
+	return ld
+}
+
+// podAddrs returns the workloads' addresses.
+func podAddrs(ws []*registry.Workload) []netip.Addr {
+	var out []netip.Addr
+	for _, w := range ws {
+		out = append(out, w.Addresses...)
+	}
+	return out
+}

@@ -1,0 +1,75 @@
+package proxy
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"time"
+
+	"github.com/meshtun/meshtun/protocols/hbone"
+)
+
+// ServeHBONE accepts the HBONE connections that the kernel delivers to a
+// node socket (tun.LocalDelivery: a transparent listener on port 15008
+// receives what is addressed to a local pod's port 15008) and hands each
+// to the HBONE server, until ctx ends; it closes ln then. The local
+// address of such a connection is the pod's: one that is not a local mesh
+// workload's port 15008 (the node's own address, a pod that left the
+// mesh) is reset before any TLS byte, and logged as refused.
+func (p *Proxy) ServeHBONE(ctx context.Context, ln net.Listener) error {
+	stop := context.AfterFunc(ctx, func() { ln.Close() })
+	defer stop()
+	var delay time.Duration
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() {
+				delay = min(max(2*delay, 5*time.Millisecond), time.Second)
+				p.log.Warn().Err(err).Dur("retry_in", delay).Msg("HBONE: accept failed")
+				select {
+				case <-time.After(delay):
+					continue
+				case <-ctx.Done():
+					return nil
+				}
+			}
+			return fmt.Errorf("proxy: accept HBONE on %s: %w", ln.Addr(), err)
+		}
+		delay = 0
+		p.serveKernelConn(c)
+	}
+}
+
+// serveKernelConn checks the address c was sent to and serves it.
+func (p *Proxy) serveKernelConn(c net.Conn) {
+	local, _ := netip.ParseAddrPort(c.LocalAddr().String())
+	remote, _ := netip.ParseAddrPort(c.RemoteAddr().String())
+	local = netip.AddrPortFrom(local.Addr().Unmap(), local.Port())
+	remote = netip.AddrPortFrom(remote.Addr().Unmap(), remote.Port())
+	snap := p.cfg.Registry.Load()
+	dst := snap.Workload(local.Addr())
+	srv := p.server.Load()
+	if !p.local(dst) || local.Port() != hbone.Port || srv == nil {
+		if tc, ok := c.(*net.TCPConn); ok {
+			tc.SetLinger(0) // a reset: nothing listens here for this client
+		}
+		c.Close()
+		p.newRecord(remote, local, snap.Workload(remote.Addr()), dst, "inbound", "hbone").
+			refused(fmt.Errorf("%w: HBONE connection to %s, which is not a mesh workload on this node", hbone.ErrBadRequest, local))
+		return
+	}
+	p.hboneKernel.Add(1)
+	go srv.ServeConn(p.ctx, c)
+}
+
+// HBONEAccepted returns how many inbound HBONE connections were accepted
+// on a kernel socket (ServeHBONE) and on the netstack.
+func (p *Proxy) HBONEAccepted() (kernel, netstack uint64) {
+	return p.hboneKernel.Load(), p.hboneNetstack.Load()
+}
