@@ -102,6 +102,30 @@ func TestInboundHBONESocket(t *testing.T) {
 		if k, ns := hboneAccepted(t, "kernel"), hboneAccepted(t, "netstack"); k < 2 || ns != 0 {
 			t.Errorf("node 2 accepted %v HBONE connections on kernel sockets and %v on the netstack; want ≥ 2 and 0", k, ns)
 		}
+
+		// The listener also holds port 15008 of the node's own addresses:
+		// a connection there is reset before any TLS byte, and logged.
+		// (The reset may come before connect returns.)
+		mark := m2.Len()
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		nodeAddr := netip.AddrPortFrom(mc.n2.IPv4, 15008)
+		c, err := mc.ext.Dial(ctx, "tcp", nodeAddr.String())
+		if err == nil {
+			c.SetDeadline(time.Now().Add(10 * time.Second))
+			_, err = c.Read(make([]byte, 1))
+			c.Close()
+		}
+		if !isReset(err) {
+			t.Errorf("a connection to node 2's own %s read %v, want a reset", nodeAddr, err)
+		}
+		if _, err := m2.WaitLogSince(ctx, mark, func(l noderun.Line) bool {
+			return l.Str("message") == "connection refused" && l.Str("dst.addr") == nodeAddr.String() &&
+				strings.HasPrefix(l.Str("src.addr"), mc.ext.IPv4.String()+":")
+		}); err != nil {
+			t.Errorf("node 2 logged no refusal of the connection to %s: %v", nodeAddr, err)
+		}
+
 		if err := m2.stop(syscall.SIGTERM); err != nil {
 			t.Errorf("node 2 exit: %v", err)
 		}
