@@ -35,18 +35,13 @@ type LocalDeliveryConfig struct {
 	// same priority, so when these are installed after InstallRouting they
 	// sit after its exemptions (what the TUN writes back to a pod's port
 	// 15008, a connection the netstack dials on behalf of a client, still
-	// reaches the pod) and before the capture rules.
+	// reaches the pod) and before the to-pod capture rules. The rules of
+	// the captured links come earlier still (DefaultPriority-3 and -2): a
+	// local pod's connection to another local pod's port is captured as
+	// before (a spoofed one goes to the spoof table), not delivered here.
 	Priority int
 	// Pods are the addresses whose Port is delivered locally.
 	Pods []netip.Addr
-	// CaptureLinks are the captured pods' links (RoutingConfig's). What
-	// arrives on them keeps the capture path, whatever its port: a rule
-	// "iif <link> lookup <CaptureTable>" one priority before the
-	// local-delivery rules, so that a local pod's connection to another
-	// local pod's port is proxied as before, not terminated.
-	CaptureLinks []string
-	// CaptureTable is RoutingConfig's table; 0 means DefaultTable.
-	CaptureTable int
 }
 
 // LocalDelivery is the set of rules and routes that deliver one TCP port
@@ -63,7 +58,6 @@ type LocalDelivery struct {
 	mu     sync.Mutex
 	cfg    LocalDeliveryConfig
 	rules  map[netip.Addr]*netlink.Rule
-	links  map[string][]*netlink.Rule // iif <link> → capture table, both families
 	routes []*netlink.Route
 	fams   map[int]bool // families with a local route
 	closed bool
@@ -85,16 +79,13 @@ func InstallLocalDelivery(cfg LocalDeliveryConfig) (*LocalDelivery, error) {
 	if cfg.Priority == 0 {
 		cfg.Priority = DefaultPriority - 1
 	}
-	if cfg.CaptureTable == 0 {
-		cfg.CaptureTable = DefaultTable
-	}
 	if err := removeStaleLocal(cfg.Table); err != nil {
 		return nil, err
 	}
 	if err := probePortRules(cfg); err != nil {
 		return nil, err
 	}
-	ld := &LocalDelivery{cfg: cfg, rules: map[netip.Addr]*netlink.Rule{}, links: map[string][]*netlink.Rule{}, fams: map[int]bool{}}
+	ld := &LocalDelivery{cfg: cfg, rules: map[netip.Addr]*netlink.Rule{}, fams: map[int]bool{}}
 	lo, err := netlink.LinkByName("lo")
 	if err != nil {
 		return nil, fmt.Errorf("tun: local delivery: %w", err)
@@ -118,7 +109,7 @@ func InstallLocalDelivery(cfg LocalDeliveryConfig) (*LocalDelivery, error) {
 	if len(ld.routes) == 0 {
 		return nil, errors.Join(errs...)
 	}
-	if err := ld.Update(cfg.CaptureLinks, cfg.Pods); err != nil {
+	if err := ld.Update(cfg.Pods); err != nil {
 		ld.Close()
 		return nil, err
 	}
@@ -177,41 +168,16 @@ func (ld *LocalDelivery) Covers(a netip.Addr) bool {
 	return ok
 }
 
-// Update sets the captured links and the pod addresses whose port is
-// delivered locally: new rules first, then the old ones go. Addresses of a
-// family without a local route are left out (their port keeps the
-// capture path).
-func (ld *LocalDelivery) Update(links []string, pods []netip.Addr) error {
+// Update sets the pod addresses whose port is delivered locally: new rules
+// first, then the old ones go. Addresses of a family without a local
+// route are left out (their port keeps the capture path).
+func (ld *LocalDelivery) Update(pods []netip.Addr) error {
 	ld.mu.Lock()
 	defer ld.mu.Unlock()
 	if ld.closed {
 		return errors.New("tun: local delivery already removed")
 	}
 	var errs []error
-	wantLink := make(map[string]bool, len(links))
-	for _, l := range links {
-		if wantLink[l] {
-			continue
-		}
-		wantLink[l] = true
-		if _, ok := ld.links[l]; ok {
-			continue
-		}
-		var added []*netlink.Rule
-		for _, fam := range []int{unix.AF_INET, unix.AF_INET6} {
-			rule := netlink.NewRule()
-			rule.Family = fam
-			rule.Table = ld.cfg.CaptureTable
-			rule.Priority = ld.cfg.Priority - 1
-			rule.IifName = l
-			if err := netlink.RuleAdd(rule); err != nil {
-				errs = append(errs, fmt.Errorf("tun: add rule %s: %w", rule, err))
-				continue
-			}
-			added = append(added, rule)
-		}
-		ld.links[l] = added
-	}
 	want := make(map[netip.Addr]bool, len(pods))
 	for _, a := range pods {
 		a = a.Unmap()
@@ -246,17 +212,6 @@ func (ld *LocalDelivery) Update(links []string, pods []netip.Addr) error {
 		}
 		delete(ld.rules, a)
 	}
-	for l, rules := range ld.links {
-		if wantLink[l] {
-			continue
-		}
-		for _, rule := range rules {
-			if err := netlink.RuleDel(rule); err != nil && !errors.Is(err, unix.ENOENT) {
-				errs = append(errs, fmt.Errorf("tun: delete rule %s: %w", rule, err))
-			}
-		}
-		delete(ld.links, l)
-	}
 	return errors.Join(errs...)
 }
 
@@ -271,14 +226,6 @@ func (ld *LocalDelivery) Close() error {
 			errs = append(errs, fmt.Errorf("tun: delete rule %s: %w", rule, err))
 		}
 		delete(ld.rules, a)
-	}
-	for l, rules := range ld.links {
-		for _, rule := range rules {
-			if err := netlink.RuleDel(rule); err != nil && !errors.Is(err, unix.ENOENT) {
-				errs = append(errs, fmt.Errorf("tun: delete rule %s: %w", rule, err))
-			}
-		}
-		delete(ld.links, l)
 	}
 	for _, rt := range ld.routes {
 		if err := netlink.RouteDel(rt); err != nil && !errors.Is(err, unix.ESRCH) {

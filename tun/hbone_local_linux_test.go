@@ -105,7 +105,7 @@ func TestLocalDelivery(t *testing.T) {
 		PodPrefixes: []netip.Prefix{netip.PrefixFrom(pod4, 32), netip.PrefixFrom(pod6, 128)}})
 	must(err)
 	defer r.Close()
-	ld, err := InstallLocalDelivery(LocalDeliveryConfig{Port: 15008, Pods: []netip.Addr{pod4, pod6}, CaptureLinks: []string{"pod0"}})
+	ld, err := InstallLocalDelivery(LocalDeliveryConfig{Port: 15008, Pods: []netip.Addr{pod4, pod6}})
 	must(err)
 	defer ld.Close()
 	if v4, v6 := ld.Families(); !v4 || !v6 {
@@ -169,7 +169,7 @@ func TestLocalDelivery(t *testing.T) {
 	}
 
 	// A pod that leaves loses its rule.
-	must(ld.Update([]string{"pod0"}, []netip.Addr{pod6}))
+	must(ld.Update([]netip.Addr{pod6}))
 	if ld.Covers(pod4) || !ld.Covers(pod6) {
 		t.Errorf("after Update(%s): covers %s %v, %s %v", pod6, pod4, ld.Covers(pod4), pod6, ld.Covers(pod6))
 	}

@@ -519,7 +519,7 @@ func (n *node) apply(ctx context.Context, c *config.Config, snap *registry.Snaps
 	} else if err := n.routes.Update(links, podPrefixes(locals)); err != nil {
 		n.log.Error().Err(err).Msg("config reload: update capture rules")
 	} else if n.local != nil {
-		if err := n.local.Update(nil, podAddrs(locals)); err != nil {
+		if err := n.local.Update(podAddrs(locals)); err != nil {
 			n.log.Error().Err(err).Msg("config reload: update HBONE local-delivery rules")
 		}
 	}
