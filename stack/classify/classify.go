@@ -2,6 +2,7 @@ package classify
 
 import (
 	"context"
+	"encoding/binary"
 	"math/bits"
 	"math/rand/v2"
 	"net/netip"
@@ -77,6 +78,16 @@ const (
 	// bypass interception. TCP sets DF and does path-MTU discovery, so
 	// real TCP is not fragmented.
 	FragmentedTCP
+	// RSTOutOfWindow: a RST whose sequence number is outside the window
+	// of its flow (RFC 5961 §3). Blind injection: it neither ends the
+	// flow nor reaches either end.
+	RSTOutOfWindow
+	// HalfOpenPerSource: a SYN from a source that already has
+	// Config.MaxHalfOpenPerSource handshakes pending.
+	HalfOpenPerSource
+	// HalfOpenFull: a SYN while Config.MaxHalfOpen handshakes are pending
+	// and no source holds more than the SYN's own would.
+	HalfOpenFull
 
 	numDropReasons = iota
 )
@@ -95,6 +106,9 @@ var dropReasonNames = [numDropReasons]string{
 	BadTCPDataOffset:   "bad-tcp-data-offset",
 	TableFull:          "table-full",
 	FragmentedTCP:      "fragmented-tcp",
+	RSTOutOfWindow:     "rst-out-of-window",
+	HalfOpenPerSource:  "half-open-per-source",
+	HalfOpenFull:       "half-open-full",
 }
 
 // String returns a short kebab-case name such as "table-full".
@@ -108,7 +122,11 @@ func (r DropReason) String() string {
 // Policy decides which new TCP connections are taken into the netstack.
 // InterceptTCP is called once per SYN from the TUN, with the SYN's source
 // and destination; it must not allocate and must be safe for concurrent
-// use.
+// use. For a segment of no known flow the classifier asks it about both
+// orientations (whichever endpoint may have opened the connection): when
+// both say yes, no verbatim connection can carry the segment, and it goes
+// to the netstack (which answers with a RST unless it has the connection)
+// instead of out in the clear.
 type Policy interface {
 	InterceptTCP(src netip.AddrPort, dst netip.AddrPort) bool
 }
@@ -123,8 +141,9 @@ func (f PolicyFunc) InterceptTCP(src, dst netip.AddrPort) bool { return f(src, d
 type Config struct {
 	// MaxFlows bounds the flow table; default 65536.
 	MaxFlows int
-	// SynTimeout expires flows that saw a SYN but no reply or ACK;
-	// default 60s.
+	// SynTimeout expires half-open flows (the initiator has not
+	// acknowledged the responder's SYN) that the netstack does not own;
+	// default 5s.
 	SynTimeout time.Duration
 	// IdleTimeout expires established flows without packets; default
 	// 24h. Expiring a live proxied connection breaks it, so keep it long.
@@ -132,16 +151,26 @@ type Config struct {
 	// CloseTimeout is how long a flow stays after a RST or the second FIN,
 	// so that packets in flight still reach the netstack; default 15s.
 	CloseTimeout time.Duration
+	// MaxHalfOpen bounds the half-open flows started by SYNs from the
+	// TUN; default MaxFlows/4. When it is reached, a SYN from a source
+	// with fewer pending handshakes displaces one of a source with more.
+	MaxHalfOpen int
+	// MaxHalfOpenPerSource bounds the half-open flows one source address
+	// may have; default 256.
+	MaxHalfOpenPerSource int
 	// Policy selects the SYNs to intercept; nil intercepts nothing.
 	Policy Policy
 }
 
 // Defaults for zero Config fields.
 const (
-	DefaultMaxFlows     = 65536
-	DefaultSynTimeout   = 60 * time.Second
-	DefaultIdleTimeout  = 24 * time.Hour
-	DefaultCloseTimeout = 15 * time.Second
+	DefaultMaxFlows   = 65536
+	DefaultSynTimeout = 5 * time.Second
+	// DefaultMaxHalfOpenPerSource is the default of
+	// Config.MaxHalfOpenPerSource.
+	DefaultMaxHalfOpenPerSource = 256
+	DefaultIdleTimeout          = 24 * time.Hour
+	DefaultCloseTimeout         = 15 * time.Second
 )
 
 // Proto is the coarse protocol class packets and bytes are counted by.
@@ -208,8 +237,15 @@ type Stats struct {
 	// flow, typically packets sent after their flow expired.
 	OutboundNoFlow uint64
 	// OutboundTableFull counts Outbound SYNs not registered because the
-	// table was full: replies to them will be forwarded verbatim.
+	// table was full.
 	OutboundTableFull uint64
+	// UnknownIntercepted counts segments of no known flow that the policy
+	// says would have been intercepted whichever side opened the
+	// connection: they go to the netstack, which resets them unless it
+	// has the connection, never out verbatim.
+	UnknownIntercepted uint64
+	// OwnFull counts Own calls for a flow that did not fit in the table.
+	OwnFull uint64
 
 	// FlowsInserted counts flows started (by Inbound or Outbound SYNs).
 	FlowsInserted uint64
@@ -221,6 +257,9 @@ type Stats struct {
 	FlowsReplaced uint64
 	// Flows is the current number of flows in the table.
 	Flows int
+	// HalfOpen is the current number of half-open flows started by SYNs
+	// from the TUN and not yet owned by the netstack.
+	HalfOpen int
 }
 
 // counters are the Classifier's statistics.
@@ -231,7 +270,12 @@ type counters struct {
 	outbound, outMalformed      atomic.Uint64
 	outNoFlow, outTableFull     atomic.Uint64
 	inserted, expired, replaced atomic.Uint64
+	unknown, ownFull            atomic.Uint64
 }
+
+// srcBuckets is the number of per-source half-open counters; sources
+// that share one share its bound.
+const srcBuckets = 1 << 16
 
 type policyBox struct{ p Policy }
 
@@ -245,6 +289,10 @@ type Classifier struct {
 
 	synTimeout, idleTimeout, closeTimeout int64 // nanoseconds
 
+	halfBySrc    []atomic.Int32 // half-open flows per initiator address bucket
+	halfTotal    atomic.Int64
+	maxPerSource int32
+
 	base  time.Time    // origin of the coarse clock
 	clock atomic.Int64 // nanoseconds since base, advanced by Sweep
 
@@ -252,11 +300,17 @@ type Classifier struct {
 	st     counters
 }
 
-// New returns a Classifier with its flow table allocated up front (112 to
-// 224 bytes per flow of MaxFlows).
+// New returns a Classifier with its flow table allocated up front (160 to
+// 320 bytes per flow of MaxFlows, and 256 KiB of per-source counters).
 func New(cfg Config) *Classifier {
 	if cfg.MaxFlows <= 0 {
 		cfg.MaxFlows = DefaultMaxFlows
+	}
+	if cfg.MaxHalfOpen <= 0 {
+		cfg.MaxHalfOpen = max(cfg.MaxFlows/4, 1)
+	}
+	if cfg.MaxHalfOpenPerSource <= 0 {
+		cfg.MaxHalfOpenPerSource = DefaultMaxHalfOpenPerSource
 	}
 	if cfg.SynTimeout <= 0 {
 		cfg.SynTimeout = DefaultSynTimeout
@@ -273,6 +327,8 @@ func New(cfg Config) *Classifier {
 		idleTimeout:  int64(cfg.IdleTimeout),
 		closeTimeout: int64(cfg.CloseTimeout),
 		base:         time.Now(),
+		halfBySrc:    make([]atomic.Int32, srcBuckets),
+		maxPerSource: int32(cfg.MaxHalfOpenPerSource),
 	}
 	for i := range c.seed {
 		c.seed[i] = rand.Uint64() | 1
@@ -290,8 +346,9 @@ func New(cfg Config) *Classifier {
 		slots *= 2
 	}
 	c.shards = make([]shard, nShards)
+	halfPer := max((cfg.MaxHalfOpen+nShards-1)/nShards, 1)
 	for i := range c.shards {
-		c.shards[i].init(slots)
+		c.shards[i].init(c, slots, halfPer)
 	}
 	c.SetPolicy(cfg.Policy)
 	return c
@@ -349,18 +406,30 @@ func (c *Classifier) inboundTCP(pkt []byte, seg *segment) (Verdict, DropReason) 
 	if !isSYN(seg.flags) {
 		s.mu.Lock()
 		i, ok := s.lookup(&seg.key, uint32(h))
+		inWindow := true
 		if ok {
-			s.track(&s.slots[i], seg.fromLo, seg.flags, now)
+			inWindow = s.track(&s.slots[i], seg, false, now)
 		}
 		s.mu.Unlock()
-		if ok {
+		switch {
+		case !inWindow:
+			return Drop, RSTOutOfWindow
+		case ok:
+			return Intercept, NoDrop
+		case c.wants(pkt, seg, false) && c.wants(pkt, seg, true):
+			// Whichever side opened this connection, its SYN was
+			// intercepted: there is no verbatim connection it can
+			// belong to. The flow's state is gone (a restart, an
+			// expiry, a RST): the netstack resets it unless it still
+			// has the connection. Never out in the clear.
+			c.st.unknown.Add(1)
 			return Intercept, NoDrop
 		}
 		return Verbatim, NoDrop
 	}
 
 	// A SYN: ask the policy before taking the lock (it may be slow).
-	want := c.wants(pkt, seg)
+	want := c.wants(pkt, seg, false)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	i, ok := s.lookup(&seg.key, uint32(h))
@@ -368,31 +437,56 @@ func (c *Classifier) inboundTCP(pkt []byte, seg *segment) (Verdict, DropReason) 
 		f := &s.slots[i]
 		if f.state != stateClosed {
 			// A retransmitted SYN of a live flow.
-			s.track(f, seg.fromLo, seg.flags, now)
+			s.track(f, seg, false, now)
 			return Intercept, NoDrop
 		}
 		// The addresses and ports of a closed flow are being reused.
 		c.st.replaced.Add(1)
-		if !want {
-			s.remove(i)
-			c.count.Add(-1)
-			return Verbatim, NoDrop
-		}
-		s.reopen(f, seg.fromLo, now)
-		c.st.inserted.Add(1)
-		return Intercept, NoDrop
+		s.remove(i)
+		c.count.Add(-1)
+		i, _ = s.lookup(&seg.key, uint32(h))
 	}
 	if !want {
 		return Verbatim, NoDrop
 	}
-	if !c.insert(s, i, &seg.key, uint32(h), seg.fromLo, now) {
+	// A half-open flow: bounded per source and in total.
+	b := c.srcBucket(&seg.key, seg.fromLo)
+	mine := c.halfBySrc[b].Load() + 1
+	if mine > c.maxPerSource {
+		return Drop, HalfOpenPerSource
+	}
+	if s.half >= s.halfLimit {
+		if !s.evictHalfOpen(uint32(h), mine) {
+			return Drop, HalfOpenFull
+		}
+		c.count.Add(-1)
+		c.st.replaced.Add(1)
+		i, _ = s.lookup(&seg.key, uint32(h))
+	}
+	f := c.insert(s, i, &seg.key, uint32(h), seg, now)
+	if f == nil {
 		return Drop, TableFull
 	}
+	f.flags |= flagHalf
+	s.half++
+	c.halfTotal.Add(1)
+	c.halfBySrc[b].Add(1)
 	return Intercept, NoDrop
 }
 
-// wants asks the policy about the SYN seg of pkt.
-func (c *Classifier) wants(pkt []byte, seg *segment) bool {
+// srcBucket returns the index of the per-source counter of the initiator
+// (the low endpoint of k if initLo) of a flow.
+func (c *Classifier) srcBucket(k *flowKey, initLo bool) int {
+	hi, lo := k.hiHi, k.hiLo
+	if initLo {
+		hi, lo = k.loHi, k.loLo
+	}
+	return int(mum(hi^c.seed[0], lo^c.seed[3]) >> (64 - 16))
+}
+
+// wants asks the policy about the connection seg of pkt belongs to, as if
+// opened by seg's source, or by its destination if reverse.
+func (c *Classifier) wants(pkt []byte, seg *segment, reverse bool) bool {
 	p := c.policy.Load().p
 	if p == nil {
 		return false
@@ -405,15 +499,19 @@ func (c *Classifier) wants(pkt []byte, seg *segment) bool {
 		src = netip.AddrFrom4([4]byte(pkt[12:16]))
 		dst = netip.AddrFrom4([4]byte(pkt[16:20]))
 	}
+	if reverse {
+		return p.InterceptTCP(netip.AddrPortFrom(dst, seg.dport), netip.AddrPortFrom(src, seg.sport))
+	}
 	return p.InterceptTCP(netip.AddrPortFrom(src, seg.sport), netip.AddrPortFrom(dst, seg.dport))
 }
 
 // insert adds a new flow to shard s (locked), whose empty slot for the key
-// is i. If the table is full it first evicts the oldest closed flow of s.
-func (c *Classifier) insert(s *shard, i int, k *flowKey, h uint32, initLo bool, now int64) bool {
+// is i; syn is its SYN, or nil. If the table is full it first evicts the
+// oldest closed flow of s. It returns nil if there is no room.
+func (c *Classifier) insert(s *shard, i int, k *flowKey, h uint32, syn *segment, now int64) *flow {
 	if s.n >= s.limit || c.count.Load() >= c.maxFlows {
 		if !s.evictOldestClosed() {
-			return false
+			return nil
 		}
 		c.count.Add(-1)
 		c.st.replaced.Add(1)
@@ -422,17 +520,17 @@ func (c *Classifier) insert(s *shard, i int, k *flowKey, h uint32, initLo bool, 
 	}
 	if c.count.Add(1) > c.maxFlows {
 		c.count.Add(-1)
-		return false
+		return nil
 	}
-	s.put(i, k, h, initLo, now)
 	c.st.inserted.Add(1)
-	return true
+	return s.put(i, k, h, syn, now)
 }
 
 // Outbound tells the classifier about a packet the netstack writes to the
 // TUN. hdr must hold at least the IP and TCP headers; the payload may be
 // cut off. A SYN registers a flow so that its replies are intercepted; other
-// TCP packets keep their flow alive and track FIN and RST.
+// TCP packets keep their flow alive and track its sequence numbers, FIN and
+// RST.
 func (c *Classifier) Outbound(hdr []byte) {
 	c.st.outbound.Add(1)
 	var seg segment
@@ -448,22 +546,103 @@ func (c *Classifier) Outbound(hdr []byte) {
 	now := c.clock.Load()
 	syn := isSYN(seg.flags)
 	s.mu.Lock()
+	defer s.mu.Unlock()
 	i, ok := s.lookup(&seg.key, uint32(h))
-	switch {
-	case ok && syn && s.slots[i].state == stateClosed:
+	if ok && syn && s.slots[i].state == stateClosed {
 		c.st.replaced.Add(1)
-		c.st.inserted.Add(1)
-		s.reopen(&s.slots[i], seg.fromLo, now)
+		s.remove(i)
+		c.count.Add(-1)
+		i, ok = s.lookup(&seg.key, uint32(h))
+	}
+	switch {
 	case ok:
-		s.track(&s.slots[i], seg.fromLo, seg.flags, now)
+		s.track(&s.slots[i], &seg, true, now)
 	case syn:
-		if !c.insert(s, i, &seg.key, uint32(h), seg.fromLo, now) {
+		if c.insert(s, i, &seg.key, uint32(h), &seg, now) == nil {
 			c.st.outTableFull.Add(1)
 		}
 	default:
 		c.st.outNoFlow.Add(1)
 	}
-	s.mu.Unlock()
+}
+
+// Own marks the flow between a and b as held by the netstack: a
+// connection request it is deciding, or a connection it has (accepted or
+// dialled). An owned flow does not expire and no packet ends it; Release
+// does. A flow not in the table is added. It reports false if there was no
+// room.
+func (c *Classifier) Own(a, b netip.AddrPort) bool {
+	k, _ := keyOf(a, b)
+	h := k.hash(&c.seed)
+	s := c.shardFor(h)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	i, ok := s.lookup(&k, uint32(h))
+	var f *flow
+	switch {
+	case ok && s.slots[i].state == stateClosed:
+		// An old flow of the same addresses in its grace period.
+		c.st.replaced.Add(1)
+		s.remove(i)
+		c.count.Add(-1)
+		i, _ = s.lookup(&k, uint32(h))
+		fallthrough
+	case !ok:
+		if f = c.insert(s, i, &k, uint32(h), nil, c.clock.Load()); f == nil {
+			c.st.ownFull.Add(1)
+			return false
+		}
+	default:
+		f = &s.slots[i]
+	}
+	s.unhalf(f)
+	f.flags |= flagOwned
+	return true
+}
+
+// Release ends the netstack's hold on the flow between a and b (see Own):
+// the flow closes, and is removed after Config.CloseTimeout, during which
+// its packets still reach the netstack. It does nothing to a flow that is
+// not owned.
+func (c *Classifier) Release(a, b netip.AddrPort) {
+	k, _ := keyOf(a, b)
+	h := k.hash(&c.seed)
+	s := c.shardFor(h)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	i, ok := s.lookup(&k, uint32(h))
+	if !ok || s.slots[i].flags&flagOwned == 0 {
+		return
+	}
+	f := &s.slots[i]
+	f.flags &^= flagOwned
+	if f.state != stateClosed {
+		s.close(f, c.clock.Load())
+	}
+}
+
+// keyOf returns the flow key of the connection between a and b, and
+// whether a is its low endpoint.
+func keyOf(a, b netip.AddrPort) (flowKey, bool) {
+	split := func(ap netip.AddrPort) (uint64, uint64) {
+		x := ap.Addr().Unmap()
+		if x.Is4() {
+			v := x.As4()
+			return 0, uint64(binary.BigEndian.Uint32(v[:]))
+		}
+		v := x.As16()
+		return binary.BigEndian.Uint64(v[:8]), binary.BigEndian.Uint64(v[8:])
+	}
+	aHi, aLo := split(a)
+	bHi, bLo := split(b)
+	k := flowKey{v6: a.Addr().Unmap().Is6()}
+	aLow := endpointLE(aHi, aLo, a.Port(), bHi, bLo, b.Port())
+	if aLow {
+		k.loHi, k.loLo, k.loPort, k.hiHi, k.hiLo, k.hiPort = aHi, aLo, a.Port(), bHi, bLo, b.Port()
+	} else {
+		k.loHi, k.loLo, k.loPort, k.hiHi, k.hiLo, k.hiPort = bHi, bLo, b.Port(), aHi, aLo, a.Port()
+	}
+	return k, aLow
 }
 
 // Sweep advances the coarse clock to now and removes the flows that have
@@ -516,15 +695,18 @@ func (c *Classifier) Len() int { return int(c.count.Load()) }
 // so under load they may be off from each other by a few packets.
 func (c *Classifier) Stats() Stats {
 	s := Stats{
-		Dropped:           c.st.dropped.Load(),
-		Outbound:          c.st.outbound.Load(),
-		OutboundMalformed: c.st.outMalformed.Load(),
-		OutboundNoFlow:    c.st.outNoFlow.Load(),
-		OutboundTableFull: c.st.outTableFull.Load(),
-		FlowsInserted:     c.st.inserted.Load(),
-		FlowsExpired:      c.st.expired.Load(),
-		FlowsReplaced:     c.st.replaced.Load(),
-		Flows:             c.Len(),
+		Dropped:            c.st.dropped.Load(),
+		Outbound:           c.st.outbound.Load(),
+		OutboundMalformed:  c.st.outMalformed.Load(),
+		OutboundNoFlow:     c.st.outNoFlow.Load(),
+		OutboundTableFull:  c.st.outTableFull.Load(),
+		UnknownIntercepted: c.st.unknown.Load(),
+		OwnFull:            c.st.ownFull.Load(),
+		HalfOpen:           int(c.halfTotal.Load()),
+		FlowsInserted:      c.st.inserted.Load(),
+		FlowsExpired:       c.st.expired.Load(),
+		FlowsReplaced:      c.st.replaced.Load(),
+		Flows:              c.Len(),
 	}
 	for i := range s.DropsByReason {
 		s.DropsByReason[i] = c.st.drops[i].Load()

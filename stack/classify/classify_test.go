@@ -106,7 +106,10 @@ func TestVerbatim(t *testing.T) {
 		{"syn-fin", tcp(podA4, podB4, tcpSYN|tcpFIN)},
 		{"syn-rst", tcp(podA4, podB4, tcpSYN|tcpRST)},
 	}
-	c := New(Config{Policy: all})
+	// Connections from A to B's port are intercepted, those from B to
+	// A's port are not: a segment of no flow between them may belong to
+	// a verbatim connection B opened.
+	c := New(Config{Policy: toPort(podB4.Port())})
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			expect(t, c, tc.pkt, Verbatim, NoDrop)
@@ -472,7 +475,9 @@ func TestStateTransitions(t *testing.T) {
 		{"syn", []step{{false, a, tcpSYN}}, stateSyn},
 		{"syn-retransmit", []step{{false, a, tcpSYN}, {false, a, tcpSYN}}, stateSyn},
 		{"syn-then-client-ack", []step{{false, a, tcpSYN}, {false, a, tcpACK}}, stateEstablished},
-		{"syn-then-netstack-synack", []step{{false, a, tcpSYN}, {true, b, tcpSYN | tcpACK}}, stateEstablished},
+		{"syn-then-netstack-synack", []step{{false, a, tcpSYN}, {true, b, tcpSYN | tcpACK}}, stateSyn},
+		{"syn-synack-ack", []step{{false, a, tcpSYN}, {true, b, tcpSYN | tcpACK}, {false, a, tcpACK}}, stateEstablished},
+		{"syn-synack-ack-from-responder", []step{{false, a, tcpSYN}, {true, b, tcpSYN | tcpACK}, {true, b, tcpACK}}, stateSyn},
 		{"syn-then-netstack-rst", []step{{false, a, tcpSYN}, {true, b, tcpRST | tcpACK}}, stateClosed},
 		{"syn-then-client-rst", []step{{false, a, tcpSYN}, {false, a, tcpRST}}, stateClosed},
 		{"one-fin-is-half-close", []step{{false, a, tcpSYN}, {false, a, tcpACK}, {false, a, tcpFIN | tcpACK}}, stateEstablished},
@@ -483,7 +488,8 @@ func TestStateTransitions(t *testing.T) {
 		{"rst-outbound-after-established", []step{{false, a, tcpSYN}, {true, b, tcpSYN | tcpACK}, {true, b, tcpRST}}, stateClosed},
 		{"closed-stays-closed", []step{{false, a, tcpSYN}, {false, a, tcpRST}, {false, a, tcpACK}, {true, b, tcpACK}}, stateClosed},
 		{"outbound-syn", []step{{true, b, tcpSYN}}, stateSyn},
-		{"outbound-syn-inbound-synack", []step{{true, b, tcpSYN}, {false, a, tcpSYN | tcpACK}}, stateEstablished},
+		{"outbound-syn-inbound-synack", []step{{true, b, tcpSYN}, {false, a, tcpSYN | tcpACK}}, stateSyn},
+		{"outbound-syn-inbound-synack-outbound-ack", []step{{true, b, tcpSYN}, {false, a, tcpSYN | tcpACK}, {true, b, tcpACK}}, stateEstablished},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -541,8 +547,10 @@ func TestLifecycle(t *testing.T) {
 		if n := sweepAt(c, time.Second+2*synTO-1); n != 1 {
 			t.Fatalf("swept %d at SynTimeout after the last SYN, want 1", n)
 		}
-		expect(t, c, tcp(a, b, tcpACK), Verbatim, NoDrop)
-		if st := c.Stats(); st.FlowsExpired != 1 || st.Flows != 0 {
+		// The flow is gone, but the policy intercepts it either way:
+		// a late segment goes to the netstack (which resets it).
+		expect(t, c, tcp(a, b, tcpACK), Intercept, NoDrop)
+		if st := c.Stats(); st.FlowsExpired != 1 || st.Flows != 0 || st.UnknownIntercepted != 1 {
 			t.Fatalf("Stats = %+v", st)
 		}
 	})
@@ -551,6 +559,7 @@ func TestLifecycle(t *testing.T) {
 		c := newC()
 		expect(t, c, tcp(a, b, tcpSYN), Intercept, NoDrop)
 		c.Outbound(tcp(b, a, tcpSYN|tcpACK))
+		expect(t, c, tcp(a, b, tcpACK), Intercept, NoDrop)
 		if n := sweepAt(c, synTO+time.Minute); n != 0 {
 			t.Fatalf("established flow swept at SynTimeout")
 		}
@@ -561,7 +570,7 @@ func TestLifecycle(t *testing.T) {
 		if n := sweepAt(c, synTO+time.Minute+idleTO); n != 1 {
 			t.Fatalf("swept %d at IdleTimeout, want 1", n)
 		}
-		expect(t, c, tcp(a, b, tcpACK), Verbatim, NoDrop)
+		expect(t, c, tcp(a, b, tcpACK), Intercept, NoDrop)
 	})
 
 	for _, out := range []bool{false, true} {
@@ -573,6 +582,7 @@ func TestLifecycle(t *testing.T) {
 			c := newC()
 			expect(t, c, tcp(a, b, tcpSYN), Intercept, NoDrop)
 			c.Outbound(tcp(b, a, tcpSYN|tcpACK))
+			expect(t, c, tcp(a, b, tcpACK), Intercept, NoDrop)
 			sweepAt(c, time.Minute)
 			if out {
 				c.Outbound(tcp(b, a, tcpRST))
@@ -589,7 +599,7 @@ func TestLifecycle(t *testing.T) {
 			if n := sweepAt(c, time.Minute+closeTO); n != 1 {
 				t.Fatalf("swept %d at CloseTimeout, want 1", n)
 			}
-			expect(t, c, tcpPayload(a, b, tcpACK, 100), Verbatim, NoDrop)
+			expect(t, c, tcpPayload(a, b, tcpACK, 100), Intercept, NoDrop)
 		})
 	}
 
@@ -597,6 +607,7 @@ func TestLifecycle(t *testing.T) {
 		c := newC()
 		expect(t, c, tcp(a, b, tcpSYN), Intercept, NoDrop)
 		c.Outbound(tcp(b, a, tcpSYN|tcpACK))
+		expect(t, c, tcp(a, b, tcpACK), Intercept, NoDrop)
 		sweepAt(c, time.Minute)
 		expect(t, c, tcp(a, b, tcpFIN|tcpACK), Intercept, NoDrop)
 		if n := sweepAt(c, time.Minute+closeTO); n != 0 {
@@ -664,7 +675,7 @@ func TestReuseClosed(t *testing.T) {
 
 func TestTableFull(t *testing.T) {
 	const max = 4
-	c := New(Config{MaxFlows: max, Policy: toPort(80), IdleTimeout: time.Minute})
+	c := New(Config{MaxFlows: max, MaxHalfOpen: 100, Policy: toPort(80), IdleTimeout: time.Minute})
 	client := func(i int) netip.AddrPort { return netip.AddrPortFrom(podA4.Addr(), uint16(50000+i)) }
 	server := netip.AddrPortFrom(podB4.Addr(), 80)
 	for i := range max {
@@ -709,7 +720,7 @@ func TestTableFull(t *testing.T) {
 // colliding hashes and wrap-around against a map model.
 func TestShardTable(t *testing.T) {
 	var s shard
-	s.init(32)
+	s.init(New(Config{}), 32, 8)
 	model := map[flowKey]uint32{}
 	key := func(i int) flowKey { return flowKey{loLo: uint64(i), hiLo: uint64(i * 7), loPort: uint16(i)} }
 	// Hashes crowd the end of the table so chains wrap around.
@@ -743,7 +754,7 @@ func TestShardTable(t *testing.T) {
 			s.remove(slot)
 			delete(model, k)
 		case s.n < s.limit:
-			s.put(slot, &k, hashOf(i), false, int64(step))
+			s.put(slot, &k, hashOf(i), nil, int64(step))
 			model[k] = hashOf(i)
 		}
 		check(step)
@@ -766,7 +777,7 @@ func TestShardTable(t *testing.T) {
 			last = 5
 			model[k] = hashOf(i)
 		}
-		s.put(slot, &k, hashOf(i), false, last)
+		s.put(slot, &k, hashOf(i), nil, last)
 		s.slots[slot].state = stateEstablished
 	}
 	if n := s.sweep(10, 10, 10, 10); n != s.limit-len(model) {

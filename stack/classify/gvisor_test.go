@@ -14,7 +14,7 @@ import (
 func TestGVisorPackets(t *testing.T) {
 	tcpFields := func(src, dst netip.AddrPort, flags header.TCPFlags) *header.TCPFields {
 		return &header.TCPFields{
-			SrcPort: src.Port(), DstPort: dst.Port(), SeqNum: 7,
+			SrcPort: src.Port(), DstPort: dst.Port(), SeqNum: 7, AckNum: 8,
 			DataOffset: header.TCPMinimumSize, Flags: flags, WindowSize: 1024,
 		}
 	}
@@ -62,8 +62,12 @@ func TestGVisorPackets(t *testing.T) {
 				t.Fatalf("policy saw %v -> %v, want %v -> %v", gotSrc, gotDst, fam.a, fam.b)
 			}
 			c.Outbound(build(fam.b, fam.a, header.TCPFlagSyn|header.TCPFlagAck))
+			if f := c.flowOf(t, fam.a, fam.b); f.state != stateSyn {
+				t.Fatalf("state %d after gVisor SYN-ACK, want half-open", f.state)
+			}
+			expect(t, c, build(fam.a, fam.b, header.TCPFlagAck), Intercept, NoDrop)
 			if f := c.flowOf(t, fam.a, fam.b); f.state != stateEstablished {
-				t.Fatalf("state %d after gVisor SYN-ACK, want established", f.state)
+				t.Fatalf("state %d after the client's ACK, want established", f.state)
 			}
 			c.Outbound(build(fam.b, fam.a, header.TCPFlagRst))
 			if f := c.flowOf(t, fam.a, fam.b); f.state != stateClosed {

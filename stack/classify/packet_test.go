@@ -21,9 +21,11 @@ func tcpHdr(sport, dport uint16, flags uint8, payload int) []byte {
 	b := make([]byte, tcpMinHeader+payload)
 	binary.BigEndian.PutUint16(b[0:], sport)
 	binary.BigEndian.PutUint16(b[2:], dport)
+	// Both ends start at sequence number 1000 and acknowledge the
+	// other's SYN (1001): enough for the handshake to complete.
 	binary.BigEndian.PutUint32(b[4:], 1000) // seq
 	if flags&tcpACK != 0 {
-		binary.BigEndian.PutUint32(b[8:], 2000)
+		binary.BigEndian.PutUint32(b[8:], 1001)
 	}
 	b[12] = 5 << 4
 	b[13] = flags

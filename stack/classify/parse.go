@@ -15,6 +15,9 @@ const (
 	tcpRST = 0x04
 	tcpACK = 0x10
 
+	// tcpOptWScale is the TCP window scale option's kind.
+	tcpOptWScale = 3
+
 	// maxExtHeaders bounds the IPv6 extension header walk.
 	maxExtHeaders = 8
 
@@ -42,6 +45,11 @@ type segment struct {
 	srcOff int // offset of the source address in the packet (dst follows)
 	sport  uint16
 	dport  uint16
+	seq    uint32 // sequence number
+	ack    uint32 // acknowledgment number
+	plen   uint32 // payload length, from the IP length fields
+	win    uint16 // window field, unscaled
+	wscale int8   // window scale option of a SYN, -1 if absent
 }
 
 // parse inspects an IP packet. In strict mode (packets read from the TUN)
@@ -94,14 +102,15 @@ func parse4(pkt []byte, strict bool, seg *segment) (parseResult, DropReason) {
 	}
 	seg.v6 = false
 	seg.srcOff = 12
-	return parseTCP(pkt[ihl:end], pkt, seg)
+	return parseTCP(pkt[ihl:end], pkt, int(binary.BigEndian.Uint16(pkt[2:4]))-ihl, seg)
 }
 
 func parse6(pkt []byte, strict bool, seg *segment) (parseResult, DropReason) {
 	if len(pkt) < ipv6Header {
 		return parsedMalformed, TooShort
 	}
-	end := ipv6Header + int(binary.BigEndian.Uint16(pkt[4:6]))
+	declared := ipv6Header + int(binary.BigEndian.Uint16(pkt[4:6]))
+	end := declared
 	if end > len(pkt) {
 		if strict {
 			return parsedMalformed, Truncated
@@ -115,7 +124,7 @@ func parse6(pkt []byte, strict bool, seg *segment) (parseResult, DropReason) {
 		case protoTCP:
 			seg.v6 = true
 			seg.srcOff = 8
-			return parseTCP(pkt[off:end], pkt, seg)
+			return parseTCP(pkt[off:end], pkt, declared-off, seg)
 		case protoHopByHop, protoRouting, protoDestOpts:
 			if n == maxExtHeaders {
 				return parsedMalformed, TooManyExtHeaders
@@ -150,8 +159,9 @@ func parse6(pkt []byte, strict bool, seg *segment) (parseResult, DropReason) {
 }
 
 // parseTCP reads the TCP header at the start of l4 and the addresses of
-// the enclosing IP header ip into seg.
-func parseTCP(l4, ip []byte, seg *segment) (parseResult, DropReason) {
+// the enclosing IP header ip into seg. l4len is the length of the TCP
+// segment the IP header declares (l4 may have been cut short of it).
+func parseTCP(l4, ip []byte, l4len int, seg *segment) (parseResult, DropReason) {
 	if len(l4) < tcpMinHeader {
 		return parsedMalformed, TCPTruncated
 	}
@@ -165,6 +175,17 @@ func parseTCP(l4, ip []byte, seg *segment) (parseResult, DropReason) {
 	seg.sport = binary.BigEndian.Uint16(l4[0:2])
 	seg.dport = binary.BigEndian.Uint16(l4[2:4])
 	seg.flags = l4[13]
+	seg.seq = binary.BigEndian.Uint32(l4[4:8])
+	seg.ack = binary.BigEndian.Uint32(l4[8:12])
+	seg.win = binary.BigEndian.Uint16(l4[14:16])
+	seg.plen = 0
+	if l4len > doff {
+		seg.plen = uint32(l4len - doff)
+	}
+	seg.wscale = -1
+	if seg.flags&tcpSYN != 0 {
+		seg.wscale = windowScale(l4[tcpMinHeader:doff])
+	}
 
 	var sHi, sLo, dHi, dLo uint64
 	if seg.v6 {
@@ -198,4 +219,35 @@ func endpointLE(aHi, aLo uint64, aPort uint16, bHi, bLo uint64, bPort uint16) bo
 		return aLo < bLo
 	}
 	return aPort <= bPort
+}
+
+// windowScale returns the shift of the window scale option among the TCP
+// options opts, or -1 if there is none (or the options are malformed).
+func windowScale(opts []byte) int8 {
+	for i := 0; i < len(opts); {
+		switch kind := opts[i]; kind {
+		case 0: // end of options
+			return -1
+		case 1: // no-op
+			i++
+			continue
+		default:
+			if i+1 >= len(opts) {
+				return -1
+			}
+			l := int(opts[i+1])
+			if l < 2 || i+l > len(opts) {
+				return -1
+			}
+			if kind == tcpOptWScale && l == 3 {
+				ws := opts[i+2]
+				if ws > 14 {
+					ws = 14 // RFC 7323 §2.3
+				}
+				return int8(ws)
+			}
+			i += l
+		}
+	}
+	return -1
 }

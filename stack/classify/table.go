@@ -45,43 +45,140 @@ func mum(x, y uint64) uint64 {
 // Flow states. stateEmpty marks a free slot.
 const (
 	stateEmpty       uint8 = iota
-	stateSyn               // SYN seen, no reply and no ACK yet
-	stateEstablished       // a reply or an ACK seen
-	stateClosed            // RST seen, or FIN in both directions
+	stateSyn               // half-open: the initiator has not acknowledged the responder's SYN yet
+	stateEstablished       // the initiator's ACK of the responder's SYN seen
+	stateClosed            // ended: closing grace period before removal
 )
 
 // Flow flag bits.
 const (
-	flagInitLo uint8 = 1 << iota // the initiator is the key's low endpoint
-	flagFinLo                    // the low endpoint sent a FIN
-	flagFinHi                    // the high endpoint sent a FIN
+	flagInitLo    uint16 = 1 << iota // the initiator is the key's low endpoint
+	flagInitKnown                    // the initiator is known (a SYN was seen)
+	flagFinLo                        // the low endpoint sent a FIN
+	flagFinHi                        // the high endpoint sent a FIN
+	flagOwned                        // the netstack holds the connection: it alone ends the flow
+	flagHalf                         // counted as half-open (stateSyn, not owned, from Inbound)
+	flagSeqLo                        // end[0] and win[0] are known
+	flagSeqHi                        // end[1] and win[1] are known
+	flagWSLo                         // the low endpoint offered window scaling (ws[0])
+	flagWSHi                         // the high endpoint offered window scaling (ws[1])
 )
 
-// flow is one slot of the open-addressing table (56 bytes).
+// Sides of a flow, as indexes of its per-endpoint fields.
+const (
+	sideLo = 0
+	sideHi = 1
+)
+
+func sideOf(fromLo bool) int {
+	if fromLo {
+		return sideLo
+	}
+	return sideHi
+}
+
+// flow is one slot of the open-addressing table (80 bytes).
 type flow struct {
 	key   flowKey
-	last  int64  // coarse clock when the state last changed or a packet was seen
-	hash  uint32 // low bits of the key's hash, for deletion without rehashing
+	last  int64     // coarse clock when the state last changed or a packet was seen
+	end   [2]uint32 // per side: highest sequence number sent, plus one past its data, SYN and FIN
+	win   [2]uint32 // per side: largest receive window advertised, scaled
+	hash  uint32    // low bits of the key's hash, for deletion without rehashing
+	flags uint16
+	ws    [2]uint8 // per side: window scale offered in its SYN
 	state uint8
-	flags uint8
+}
+
+func (f *flow) initSide() int {
+	if f.flags&flagInitLo != 0 {
+		return sideLo
+	}
+	return sideHi
+}
+
+func seqFlag(side int) uint16 { return flagSeqLo << side }
+
+// advance records the sequence space and window of a segment from side.
+func (f *flow) advance(side int, seg *segment) {
+	end := seg.seq + seg.plen
+	if seg.flags&(tcpSYN|tcpFIN) != 0 {
+		end++
+	}
+	win := uint32(seg.win)
+	if seg.flags&tcpSYN == 0 && f.flags&(flagWSLo|flagWSHi) == flagWSLo|flagWSHi {
+		win <<= f.ws[side] // RFC 7323: never scaled in a SYN
+	}
+	if f.flags&seqFlag(side) == 0 {
+		f.end[side], f.win[side] = end, win
+		f.flags |= seqFlag(side)
+		return
+	}
+	if int32(end-f.end[side]) > 0 {
+		f.end[side] = end
+	}
+	if win > f.win[side] {
+		f.win[side] = win
+	}
+}
+
+// rstAcceptable reports whether a RST from side is in the window of the
+// connection as far as the classifier can tell (RFC 5961 §3): its sequence
+// number must lie within the receiver's window of what side has sent. A
+// RST answering the SYN (the flow is half-open and side is the responder)
+// must acknowledge the SYN (RFC 793). Where the classifier has not seen
+// side's sequence numbers it cannot check, and accepts.
+func (f *flow) rstAcceptable(side int, seg *segment) bool {
+	other := 1 - side
+	if f.state == stateSyn && f.flags&flagInitKnown != 0 && side != f.initSide() && f.flags&seqFlag(side) == 0 {
+		init := f.initSide()
+		if f.flags&seqFlag(init) == 0 {
+			return true
+		}
+		return seg.flags&tcpACK != 0 && seg.ack == f.end[init]
+	}
+	if f.flags&seqFlag(side) == 0 {
+		return true
+	}
+	win := int64(65535)
+	if f.flags&seqFlag(other) != 0 && f.win[other] > 0 {
+		win = int64(f.win[other])
+	}
+	d := int64(int32(seg.seq - f.end[side]))
+	return d >= -win && d <= win
 }
 
 // shard is one mutex-protected open-addressing table with linear probing and
 // backward-shift deletion (no tombstones, so it never needs rebuilding).
 type shard struct {
-	mu     sync.Mutex
-	slots  []flow
-	mask   uint32
-	n      int // occupied slots
-	limit  int // at most this many, so probe chains always end
-	closed int // slots in stateClosed
-	_      [64]byte
+	mu        sync.Mutex
+	slots     []flow
+	mask      uint32
+	n         int // occupied slots
+	limit     int // at most this many, so probe chains always end
+	closed    int // slots in stateClosed
+	half      int // slots with flagHalf
+	halfLimit int // at most this many half-open flows
+	c         *Classifier
+	_         [64]byte
 }
 
-func (s *shard) init(slots int) {
+func (s *shard) init(c *Classifier, slots, halfLimit int) {
+	s.c = c
 	s.slots = make([]flow, slots)
 	s.mask = uint32(slots - 1)
 	s.limit = slots - slots/8
+	s.halfLimit = halfLimit
+}
+
+// unhalf takes f out of the half-open accounting, if it is in it.
+func (s *shard) unhalf(f *flow) {
+	if f.flags&flagHalf == 0 {
+		return
+	}
+	f.flags &^= flagHalf
+	s.half--
+	s.c.halfTotal.Add(-1)
+	s.c.halfBySrc[s.c.srcBucket(&f.key, f.flags&flagInitLo != 0)].Add(-1)
 }
 
 // lookup returns the slot holding k and true, or the empty slot where k
@@ -105,6 +202,7 @@ func (s *shard) remove(i int) {
 	if s.slots[i].state == stateClosed {
 		s.closed--
 	}
+	s.unhalf(&s.slots[i])
 	s.n--
 	hole := uint32(i)
 	j := hole
@@ -146,69 +244,129 @@ func (s *shard) evictOldestClosed() bool {
 	return true
 }
 
-// track updates flow f for a packet from the low (fromLo) or high endpoint.
-func (s *shard) track(f *flow, fromLo bool, tcpFlags uint8, now int64) {
+// track updates flow f for segment seg. trusted is set for the
+// netstack's own packets. It returns false for a RST that is not in the
+// window: such a RST neither ends the flow nor reaches anyone.
+func (s *shard) track(f *flow, seg *segment, trusted bool, now int64) bool {
+	side := sideOf(seg.fromLo)
+	if seg.flags&tcpRST != 0 {
+		if !trusted && !f.rstAcceptable(side, seg) {
+			return false
+		}
+		// A flow the netstack owns ends when the netstack lets go of
+		// it (Release), which also covers a RST it rejects (RFC 5961
+		// challenge ACK); others end here.
+		if f.state != stateClosed && f.flags&flagOwned == 0 {
+			s.close(f, now)
+		}
+		return true
+	}
 	if f.state == stateClosed {
 		// Grace period: the packet still goes to the netstack, but
 		// the close timer keeps running.
-		return
+		return true
 	}
-	if tcpFlags&tcpRST != 0 {
-		s.close(f, now)
-		return
-	}
-	if f.state == stateSyn {
-		fromInit := fromLo == (f.flags&flagInitLo != 0)
-		if !fromInit || tcpFlags&(tcpACK|tcpSYN) == tcpACK {
-			f.state = stateEstablished
+	if seg.flags&tcpSYN != 0 {
+		if seg.flags&tcpACK == 0 && f.flags&flagInitKnown == 0 {
+			// A flow registered by Own before its SYN: the SYN names
+			// the initiator.
+			f.flags |= flagInitKnown
+			if seg.fromLo {
+				f.flags |= flagInitLo
+			}
+		}
+		if seg.wscale >= 0 {
+			f.ws[side] = uint8(seg.wscale)
+			f.flags |= flagWSLo << side
+		}
+		f.flags &^= seqFlag(side) // a SYN (re)starts the side's sequence space
+		f.advance(side, seg)
+	} else {
+		f.advance(side, seg)
+		// Established only once the initiator acknowledges the
+		// responder's SYN: a SYN-ACK alone (which the netstack sends to
+		// any SYN, spoofed or not) does not make a flow live.
+		if f.state == stateSyn && seg.flags&tcpACK != 0 && f.flags&flagInitKnown != 0 && side == f.initSide() {
+			resp := 1 - side
+			if f.flags&seqFlag(resp) == 0 || seg.ack == f.end[resp] {
+				f.state = stateEstablished
+				s.unhalf(f)
+			}
 		}
 	}
-	if tcpFlags&tcpFIN != 0 {
-		if fromLo {
+	if seg.flags&tcpFIN != 0 && f.flags&flagOwned == 0 {
+		if seg.fromLo {
 			f.flags |= flagFinLo
 		} else {
 			f.flags |= flagFinHi
 		}
 		if f.flags&(flagFinLo|flagFinHi) == flagFinLo|flagFinHi {
 			s.close(f, now)
-			return
+			return true
 		}
 	}
 	if f.last != now {
 		f.last = now
 	}
+	return true
 }
 
 func (s *shard) close(f *flow, now int64) {
+	s.unhalf(f)
 	f.state = stateClosed
 	f.last = now
 	s.closed++
 }
 
-// reopen turns closed flow f into a new flow started by a SYN from the low
-// (initLo) or high endpoint.
-func (s *shard) reopen(f *flow, initLo bool, now int64) {
-	s.closed--
-	f.state = stateSyn
-	f.flags = 0
-	if initLo {
-		f.flags = flagInitLo
+// put stores a new flow in empty slot i; seg, if not nil, is its SYN.
+func (s *shard) put(i int, k *flowKey, h uint32, seg *segment, now int64) *flow {
+	f := &s.slots[i]
+	*f = flow{key: *k, hash: h, state: stateSyn, last: now}
+	if seg != nil {
+		f.flags = flagInitKnown
+		if seg.fromLo {
+			f.flags |= flagInitLo
+		}
+		side := sideOf(seg.fromLo)
+		if seg.wscale >= 0 {
+			f.ws[side] = uint8(seg.wscale)
+			f.flags |= flagWSLo << side
+		}
+		f.advance(side, seg)
 	}
-	f.last = now
+	s.n++
+	return f
 }
 
-// put stores a new flow in empty slot i.
-func (s *shard) put(i int, k *flowKey, h uint32, initLo bool, now int64) {
-	f := &s.slots[i]
-	f.key = *k
-	f.hash = h
-	f.state = stateSyn
-	f.flags = 0
-	if initLo {
-		f.flags = flagInitLo
+// evictHalfOpen makes room for a half-open flow whose initiator's bucket
+// will then hold mine flows: among the first few half-open flows found
+// from slot start on, it removes the oldest whose initiator holds at least
+// as many. Sources with fewer pending handshakes thus displace those with
+// more, which converges to an equal share per source. It reports whether
+// it removed one. The shard is at its half-open limit, so at least one
+// half-open flow is found; with the default sizes one in eight slots
+// holds one, and the walk is short.
+func (s *shard) evictHalfOpen(start uint32, mine int32) bool {
+	const sample = 8
+	best, seen := -1, 0
+	for n, i := 0, start&s.mask; n < len(s.slots) && seen < sample; n, i = n+1, (i+1)&s.mask {
+		f := &s.slots[i]
+		if f.flags&flagHalf == 0 {
+			continue
+		}
+		seen++
+		if s.c.halfBySrc[s.c.srcBucket(&f.key, f.flags&flagInitLo != 0)].Load() < mine {
+			continue
+		}
+		if best < 0 || f.last < s.slots[best].last {
+			best = int(i)
+		}
 	}
-	f.last = now
-	s.n++
+	if best < 0 {
+		return false
+	}
+	s.remove(best)
+	return true
 }
 
 // sweep removes flows idle for longer than their state's timeout and
@@ -230,6 +388,12 @@ func (s *shard) sweep(now int64, synTimeout, idleTimeout, closeTimeout int64) in
 			timeout = idleTimeout
 		default:
 			timeout = closeTimeout
+		}
+		if f.flags&flagOwned != 0 {
+			// The netstack holds the connection: the flow lives as
+			// long as its endpoint does.
+			i++
+			continue
 		}
 		if now-f.last < timeout {
 			i++
