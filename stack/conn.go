@@ -21,8 +21,9 @@ type TCPRequest struct {
 	// Dst is the address the client connected to: the original destination.
 	Dst netip.AddrPort
 
-	r  *tcp.ForwarderRequest
-	st *Stack
+	r    *tcp.ForwarderRequest
+	st   *Stack
+	done bool // Accept or Reject was called
 }
 
 func (st *Stack) newRequest(r *tcp.ForwarderRequest) *TCPRequest {
@@ -40,18 +41,32 @@ func (st *Stack) newRequest(r *tcp.ForwarderRequest) *TCPRequest {
 func (q *TCPRequest) Accept() (*Conn, error) {
 	var wq waiter.Queue
 	ep, terr := q.r.CreateEndpoint(&wq)
+	q.finish()
 	if terr != nil {
 		q.r.Complete(true)
+		q.st.cls.Release(q.Dst, q.Src)
 		return nil, &net.OpError{Op: "accept", Net: "tcp", Source: net.TCPAddrFromAddrPort(q.Src), Addr: net.TCPAddrFromAddrPort(q.Dst), Err: tcpipError(terr)}
 	}
 	q.r.Complete(false)
 	ep.SocketOptions().SetKeepAlive(true)
-	return newConn(&wq, ep, q.Dst, q.Src), nil
+	return q.st.newConn(&wq, ep, q.Dst, q.Src), nil
 }
 
 // Reject refuses the connection with a TCP reset, as a host with nothing
 // listening on the port would.
-func (q *TCPRequest) Reject() { q.r.Complete(true) }
+func (q *TCPRequest) Reject() {
+	q.finish()
+	q.r.Complete(true)
+	q.st.cls.Release(q.Dst, q.Src)
+}
+
+// finish ends the request's count against its source's pending share.
+func (q *TCPRequest) finish() {
+	if !q.done {
+		q.done = true
+		q.st.pending.done(q.Src.Addr())
+	}
+}
 
 // Conn is a TCP connection terminated in the netstack. LocalAddr is the
 // address the netstack stands in for, RemoteAddr the peer's.
@@ -61,10 +76,28 @@ type Conn struct {
 	wq            *waiter.Queue
 	local, remote netip.AddrPort
 	notice        readNotice // WhenReadable's
+	st            *Stack
+	released      atomic.Bool
 }
 
-func newConn(wq *waiter.Queue, ep tcpip.Endpoint, local, remote netip.AddrPort) *Conn {
-	return &Conn{TCPConn: gonet.NewTCPConn(wq, ep), ep: ep, wq: wq, local: local, remote: remote}
+func (st *Stack) newConn(wq *waiter.Queue, ep tcpip.Endpoint, local, remote netip.AddrPort) *Conn {
+	return &Conn{TCPConn: gonet.NewTCPConn(wq, ep), ep: ep, wq: wq, local: local, remote: remote, st: st}
+}
+
+// release hands the flow back to the classifier once the connection is
+// closed: it then lingers for the classifier's close timeout, so that the
+// closing handshake still reaches the netstack.
+func (c *Conn) release() {
+	if c.released.CompareAndSwap(false, true) {
+		c.st.cls.Release(c.local, c.remote)
+	}
+}
+
+// Close implements net.Conn.
+func (c *Conn) Close() error {
+	err := c.TCPConn.Close()
+	c.release()
+	return err
 }
 
 // readEvents are the events after which a Read does not wait: data or the
@@ -148,7 +181,7 @@ func (c *Conn) Write(b []byte) (int, error) {
 // instead of a FIN.
 func (c *Conn) Abort() error {
 	c.ep.Abort()
-	return c.TCPConn.Close()
+	return c.Close()
 }
 
 var (

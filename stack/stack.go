@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"sync"
 	"sync/atomic"
 
 	"github.com/rs/zerolog"
@@ -31,6 +32,13 @@ const (
 	tcpBufMax        = 8 << 20
 	forwarderWindow  = 0 // 0: the stack's default receive buffer
 	forwarderPending = 4096
+	// pendingPerSource bounds the connection requests (handshakes the
+	// proxy is deciding or completing) of one source address; when more
+	// than half of forwarderPending are in use, a source may hold at most
+	// its fair share of them (forwarderPending / sources, at least
+	// pendingFloor).
+	pendingPerSource = forwarderPending / 8
+	pendingFloor     = 16
 )
 
 // TCPHandler is called, on its own goroutine, for every new TCP connection
@@ -53,14 +61,62 @@ type linkStats struct {
 	Drops               atomic.Uint64 // packets the classifier dropped
 	VerbatimWriteErrors atomic.Uint64 // verbatim packets the TUN refused
 	BadChecksums        atomic.Uint64 // intercepted packets dropped for a wrong checksum
+	PendingDrops        atomic.Uint64 // SYNs dropped: their source had its share of pending requests
 }
 
 // Stack is a gVisor netstack behind the classifier on a TUN device.
 type Stack struct {
-	s     *stack.Stack
-	link  *linkEndpoint
-	log   zerolog.Logger
-	stats linkStats
+	s       *stack.Stack
+	link    *linkEndpoint
+	cls     *classify.Classifier
+	log     zerolog.Logger
+	stats   linkStats
+	pending pendingSources
+}
+
+// pendingSources counts the pending connection requests per source
+// address, to bound them per source with a fair share for each.
+type pendingSources struct {
+	mu    sync.Mutex
+	n     map[netip.Addr]int
+	total int
+}
+
+// admit counts a new request from src, or reports false if src already
+// has its share.
+func (p *pendingSources) admit(src netip.Addr) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.n == nil {
+		p.n = map[netip.Addr]int{}
+	}
+	have := p.n[src]
+	limit := pendingPerSource
+	if p.total >= forwarderPending/2 {
+		sources := len(p.n)
+		if have == 0 {
+			sources++
+		}
+		limit = min(limit, max(pendingFloor, forwarderPending/sources))
+	}
+	if have >= limit {
+		return false
+	}
+	p.n[src] = have + 1
+	p.total++
+	return true
+}
+
+// done ends a request admitted for src.
+func (p *pendingSources) done(src netip.Addr) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.n[src] <= 1 {
+		delete(p.n, src)
+	} else {
+		p.n[src]--
+	}
+	p.total--
 }
 
 // New builds the netstack on cfg.Device and starts reading packets.
@@ -68,7 +124,7 @@ func New(cfg Config) (*Stack, error) {
 	if cfg.Device == nil || cfg.Classifier == nil || cfg.HandleTCP == nil {
 		return nil, errors.New("stack: Device, Classifier and HandleTCP are required")
 	}
-	st := &Stack{log: cfg.Logger}
+	st := &Stack{log: cfg.Logger, cls: cfg.Classifier}
 	st.s = stack.New(stack.Options{
 		NetworkProtocols:   []stack.NetworkProtocolFactory{ipv4.NewProtocol, ipv6.NewProtocol},
 		TransportProtocols: []stack.TransportProtocolFactory{tcp.NewProtocol},
@@ -98,7 +154,17 @@ func New(cfg Config) (*Stack, error) {
 		{Destination: header.IPv6EmptySubnet, NIC: nicID},
 	})
 	fwd := tcp.NewForwarder(st.s, forwarderWindow, forwarderPending, func(r *tcp.ForwarderRequest) {
-		cfg.HandleTCP(st.newRequest(r))
+		req := st.newRequest(r)
+		if !st.pending.admit(req.Src.Addr()) {
+			// Silently: the client retransmits its SYN.
+			st.stats.PendingDrops.Add(1)
+			r.Complete(false)
+			return
+		}
+		// From here the netstack holds the flow, until the request
+		// is refused or the connection it becomes is closed.
+		st.cls.Own(req.Dst, req.Src)
+		cfg.HandleTCP(req)
 	})
 	st.s.SetTransportProtocolHandler(tcp.ProtocolNumber, fwd.HandlePacket)
 	st.link.start()
@@ -150,6 +216,7 @@ type Counters struct {
 	BadChecksums        uint64 // intercepted packets dropped for a wrong checksum
 	TCPRetransmits      uint64 // segments the netstack's TCP retransmitted
 	ForwarderDrops      uint64 // SYNs dropped: too many connections pending
+	PendingDrops        uint64 // SYNs dropped: their source had its share of pending connections
 }
 
 // Stats returns a snapshot of the stack's counters.
@@ -161,6 +228,7 @@ func (st *Stack) Stats() Counters {
 		BadChecksums:        st.stats.BadChecksums.Load(),
 		TCPRetransmits:      tcp.Retransmits.Value(),
 		ForwarderDrops:      tcp.ForwardMaxInFlightDrop.Value(),
+		PendingDrops:        st.stats.PendingDrops.Load(),
 	}
 }
 
@@ -194,6 +262,12 @@ func (st *Stack) DialTCP(ctx context.Context, src, dst netip.AddrPort) (*Conn, e
 			local = netip.AddrPortFrom(src.Addr(), a.Port)
 		}
 	}
+	// The flow is the netstack's from its first SYN to the endpoint's
+	// close: it never expires under a connection that is merely idle.
+	st.cls.Own(local, dst)
+	// Keepalive finds a peer that went away silently (it is the
+	// netstack's endpoint that ends the flow, not a timer).
+	ep.SocketOptions().SetKeepAlive(true)
 	// Connect and wait, honouring ctx.
 	entry, notify := waiter.NewChannelEntry(waiter.EventOut | waiter.EventHUp | waiter.EventErr)
 	wq.EventRegister(&entry)
@@ -204,6 +278,7 @@ func (st *Stack) DialTCP(ctx context.Context, src, dst netip.AddrPort) (*Conn, e
 		case <-ctx.Done():
 			ep.Abort()
 			ep.Close()
+			st.cls.Release(local, dst)
 			return nil, fmt.Errorf("stack: dial %s from %s: %w", dst, local, ctx.Err())
 		case <-notify:
 		}
@@ -211,9 +286,10 @@ func (st *Stack) DialTCP(ctx context.Context, src, dst netip.AddrPort) (*Conn, e
 	}
 	if terr != nil {
 		ep.Close()
+		st.cls.Release(local, dst)
 		return nil, &net.OpError{Op: "dial", Net: "tcp", Source: net.TCPAddrFromAddrPort(local), Addr: net.TCPAddrFromAddrPort(dst), Err: tcpipError(terr)}
 	}
-	return newConn(&wq, ep, local, dst), nil
+	return st.newConn(&wq, ep, local, dst), nil
 }
 
 func fullAddr(ap netip.AddrPort) tcpip.FullAddress {

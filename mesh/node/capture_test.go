@@ -41,6 +41,11 @@ func TestCapturePolicyNode(t *testing.T) {
 		{"198.18.0.11:40000", "198.18.1.12:8080", false}, // node → unprotected PERMISSIVE: direct
 		{"198.18.0.11:40000", "198.18.2.11:8080", false}, // not this node's workload
 		{"198.18.1.12:40000", "198.18.0.11:8081", true},  // a local mesh workload's own connection
+		// Mesh to mesh is taken both ways (the classifier's rule for
+		// segments of no known flow): a remote mesh workload's plaintext
+		// to an unprotected local one, and the reverse orientation.
+		{"198.18.2.11:40000", "198.18.1.12:8080", true},
+		{"198.18.1.12:8080", "198.18.2.11:40000", true},
 	} {
 		if got := p.InterceptTCP(ap(tc.src), ap(tc.dst)); got != tc.want {
 			t.Errorf("%s → %s: intercept %v, want %v", tc.src, tc.dst, got, tc.want)
