@@ -50,7 +50,7 @@ type meshCluster struct {
 	outside, strictSet map[string]bool
 }
 
-func newMeshCluster(t *testing.T, name string) *meshCluster {
+func newMeshCluster(t testing.TB, name string) *meshCluster {
 	c := cluster.NewT(t, cluster.Spec{Name: name, Nodes: 2, PodsPerNode: 3})
 	mc := &meshCluster{
 		c: c, n1: c.Nodes[0], n2: c.Nodes[1],
