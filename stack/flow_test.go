@@ -89,3 +89,49 @@ func recvUntil(t *testing.T, dev *fakeDev, ok func(parsed) bool) parsed {
 	t.Fatal("the netstack did not send the expected packet")
 	return parsed{}
 }
+
+// TestListenSynCookies: a Listener keeps state for ListenBacklog pending
+// handshakes; beyond that it answers with SYN cookies, so that a client
+// still connects while spoofed SYNs fill the backlog.
+func TestListenSynCookies(t *testing.T) {
+	for _, fam := range families {
+		t.Run(fam.name, func(t *testing.T) {
+			dev := newFakeDev(0)
+			cls := classify.New(classify.Config{
+				Policy:               classify.PolicyFunc(func(_, _ netip.AddrPort) bool { return true }),
+				MaxHalfOpenPerSource: 1 << 20,
+			})
+			st, err := New(Config{Device: dev, Classifier: cls, Logger: zerolog.Nop(), HandleTCP: func(req *TCPRequest) {
+				t.Errorf("forwarder got %v → %v, want the listener", req.Src, req.Dst)
+				req.Reject()
+			}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { dev.close(); st.Close() }()
+			conns := make(chan *Conn, 1)
+			l, err := st.Listen(fam.dst, func(c *Conn) { conns <- c })
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer l.Close()
+
+			// Spoofed SYNs from many ports, never acknowledged: more
+			// than the backlog.
+			for i := range ListenBacklog + 64 {
+				src := netip.AddrPortFrom(fam.src.Addr(), uint16(10000+i))
+				dev.send(t, tun.VnetHdr{}, seg{src: src, dst: fam.dst, seq: 1, flags: header.TCPFlagSyn, mss: 1400}.build())
+				recvUntil(t, dev, func(p parsed) bool { return p.flags == header.TCPFlagSyn|header.TCPFlagAck })
+			}
+			if n := st.s.Stats().TCP.ListenOverflowSynCookieSent.Value(); n == 0 {
+				t.Fatal("no SYN cookie sent with the backlog full")
+			}
+			// A client still connects.
+			c, _, _ := handshake(t, dev, conns, fam.src, fam.dst)
+			if c.LocalAddrPort() != fam.dst || c.RemoteAddrPort() != fam.src {
+				t.Fatalf("accepted %v → %v, want %v → %v", c.RemoteAddrPort(), c.LocalAddrPort(), fam.src, fam.dst)
+			}
+			c.Close()
+		})
+	}
+}

@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -200,6 +201,9 @@ func Run(ctx context.Context, cfg Config) (err error) {
 		if cerr := sinkDev.Close(); cerr != nil {
 			log.Warn().Err(cerr).Msg("close the spoof sink")
 		}
+		if n.hl != nil {
+			n.hl.close()
+		}
 		if n.st != nil {
 			n.st.Close()
 		}
@@ -252,6 +256,8 @@ func Run(ctx context.Context, cfg Config) (err error) {
 		return err
 	}
 	n.px.SetDialer(n.st)
+	n.hl = &hboneListeners{st: n.st, serve: n.px.ServeHBONE, log: log, open: map[netip.Addr]*stack.Listener{}}
+	n.hl.sync(locals)
 	if err := n.metrics.Register(metrics.DataPlane(n.dataPlaneStats)); err != nil {
 		return fmt.Errorf("node: metrics: %w", err)
 	}
@@ -320,6 +326,7 @@ type node struct {
 	cls     *classify.Classifier
 	st      *stack.Stack
 	px      *proxy.Proxy
+	hl      *hboneListeners
 	routes  *tun.Routing
 	local   *tun.LocalDelivery // nil: inbound HBONE on the netstack
 	sink    *spoofSink
@@ -421,6 +428,52 @@ func capturePolicy(reg *registry.Registry, node string, fromNode func(netip.Addr
 	})
 }
 
+// hboneListeners keeps a netstack listener on port 15008 of every local
+// mesh workload: inbound HBONE is accepted there, with SYN cookies when a
+// SYN flood fills the listener's backlog, instead of through the TCP
+// forwarder (which holds every pending handshake, for up to two minutes).
+type hboneListeners struct {
+	st    *stack.Stack
+	serve func(*stack.Conn)
+	log   zerolog.Logger
+	mu    sync.Mutex
+	open  map[netip.Addr]*stack.Listener
+}
+
+// sync opens listeners for the addresses of ws that have none and closes
+// those of addresses no longer among them. A listener that fails to open
+// is logged; HBONE to that address then goes through the forwarder.
+func (h *hboneListeners) sync(ws []*registry.Workload) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	want := map[netip.Addr]bool{}
+	for _, w := range ws {
+		for _, a := range w.Addresses {
+			want[a] = true
+			if h.open[a] != nil {
+				continue
+			}
+			l, err := h.st.Listen(netip.AddrPortFrom(a, hbone.Port), h.serve)
+			if err != nil {
+				h.log.Error().Err(err).Str("workload", w.String()).Msg("HBONE listener; inbound HBONE goes through the forwarder, without SYN cookies")
+				continue
+			}
+			h.open[a] = l
+		}
+	}
+	for a, l := range h.open {
+		if !want[a] {
+			l.Close()
+			delete(h.open, a)
+		}
+	}
+}
+
+// close closes every listener.
+func (h *hboneListeners) close() {
+	h.sync(nil)
+}
+
 // watchConfig replaces the mesh model whenever the config file changes to
 // a valid one, and has the proxy re-authorize its open connections. An
 // invalid file keeps the last good model.
@@ -519,6 +572,7 @@ func (n *node) apply(ctx context.Context, c *config.Config, snap *registry.Snaps
 		}
 	}
 	n.reg.Store(snap)
+	n.hl.sync(locals)
 	removed := syncSVIDs(ctx, n.svids, locals, n.log)
 	// Capture follows the node's workloads: pods added to this node
 	// are captured from now on (rules added before old ones go).
