@@ -25,18 +25,32 @@
 //   - The netstack reports each packet it writes to the TUN through
 //     [Classifier.Outbound]. An outbound SYN registers a flow the netstack
 //     originated, so that the replies arriving from the TUN are intercepted.
-//   - Any other TCP packet (one of a flow that was not intercepted, a reply
-//     to a connection the node itself opened, a SYN the policy does not
-//     select) is verbatim.
+//   - Any other TCP packet of no known flow is intercepted if the policy
+//     would select the connection whichever side opened it (both
+//     orientations): no verbatim connection can carry it, and the netstack
+//     answers it with a RST unless it has the connection. Otherwise (one of a
+//     flow that was not intercepted, a reply to a connection the node itself
+//     opened, a SYN the policy does not select) it is verbatim.
+//   - A RST whose sequence number is outside its flow's window (RFC 5961
+//     §3) is dropped with [RSTOutOfWindow]; it neither ends the flow nor
+//     reaches either end.
 //
 // Flows live in a bounded table. When it is full, a SYN that would be
 // intercepted is dropped with [TableFull] rather than let through verbatim:
 // mesh traffic must never bypass the mesh. Before giving up it evicts the
-// longest-closed flow (RST or FIN/FIN seen) of the table shard the new flow
-// hashes to, if there is one. A flow that has seen neither a reply nor an
-// ACK expires after [Config.SynTimeout], an established flow after
-// [Config.IdleTimeout] without packets, and a flow that saw a RST (in either
-// direction) or a FIN in both directions [Config.CloseTimeout] after that;
+// longest-closed flow of the table shard the new flow hashes to, if there is
+// one. Half-open flows (the initiator has not acknowledged the responder's
+// SYN: a SYN-ACK alone does not establish a flow) are bounded per source
+// ([Config.MaxHalfOpenPerSource], [HalfOpenPerSource]) and in total
+// ([Config.MaxHalfOpen]): at the bound, a SYN from a source with fewer
+// pending handshakes displaces one of a source with more, else it is
+// dropped with [HalfOpenFull]. They expire after [Config.SynTimeout].
+//
+// The netstack holds the flows of its connections ([Classifier.Own]): such a
+// flow neither expires nor ends on FIN or RST, only on [Classifier.Release].
+// Other established flows expire after [Config.IdleTimeout] without packets.
+// A flow that was released, saw an in-window RST, or a FIN in both
+// directions, closes and is removed [Config.CloseTimeout] after that;
 // packets still in flight in that grace period keep going to the netstack.
 // Expiry happens only in [Classifier.Sweep], which also advances the coarse
 // clock the per-packet path reads instead of calling time.Now.
