@@ -156,7 +156,7 @@ type Config struct {
 	// with fewer pending handshakes displaces one of a source with more.
 	MaxHalfOpen int
 	// MaxHalfOpenPerSource bounds the half-open flows one source address
-	// may have; default 256.
+	// may have; default 1024.
 	MaxHalfOpenPerSource int
 	// Policy selects the SYNs to intercept; nil intercepts nothing.
 	Policy Policy
@@ -168,7 +168,7 @@ const (
 	DefaultSynTimeout = 5 * time.Second
 	// DefaultMaxHalfOpenPerSource is the default of
 	// Config.MaxHalfOpenPerSource.
-	DefaultMaxHalfOpenPerSource = 256
+	DefaultMaxHalfOpenPerSource = 1024
 	DefaultIdleTimeout          = 24 * time.Hour
 	DefaultCloseTimeout         = 15 * time.Second
 )
