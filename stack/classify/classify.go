@@ -597,11 +597,15 @@ func (c *Classifier) Own(a, b netip.AddrPort) bool {
 	}
 	s.unhalf(f)
 	f.flags |= flagOwned
+	if f.owners < 255 {
+		f.owners++
+	}
 	return true
 }
 
-// Release ends the netstack's hold on the flow between a and b (see Own):
-// the flow closes, and is removed after Config.CloseTimeout, during which
+// Release ends one hold of the netstack on the flow between a and b (see
+// Own; a flow owned twice, by the two legs of a connection the netstack
+// both accepts and dials with the same addresses, needs two): the flow closes, and is removed after Config.CloseTimeout, during which
 // its packets still reach the netstack. It does nothing to a flow that is
 // not owned.
 func (c *Classifier) Release(a, b netip.AddrPort) {
@@ -615,6 +619,11 @@ func (c *Classifier) Release(a, b netip.AddrPort) {
 		return
 	}
 	f := &s.slots[i]
+	if f.owners > 1 {
+		f.owners--
+		return
+	}
+	f.owners = 0
 	f.flags &^= flagOwned
 	if f.state != stateClosed {
 		s.close(f, c.clock.Load())

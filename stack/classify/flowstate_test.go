@@ -277,4 +277,18 @@ func TestOwned(t *testing.T) {
 	if got := c.closedFlows(); got != 1 {
 		t.Fatalf("closed flows %d, want 1", got)
 	}
+
+	// Two holds (a connection accepted and dialled on the same
+	// addresses): the flow ends with the second release.
+	d := netip.AddrPortFrom(b.Addr(), b.Port()+1)
+	c.Own(a, d)
+	c.Own(d, a)
+	c.Release(a, d)
+	if f := c.flowOf(t, a, d); f.state == stateClosed {
+		t.Fatal("flow closed with one of its two holds left")
+	}
+	c.Release(d, a)
+	if f := c.flowOf(t, a, d); f.state != stateClosed {
+		t.Fatalf("state %d after both releases, want closed", f.state)
+	}
 }

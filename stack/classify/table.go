@@ -56,7 +56,7 @@ const (
 	flagInitKnown                    // the initiator is known (a SYN was seen)
 	flagFinLo                        // the low endpoint sent a FIN
 	flagFinHi                        // the high endpoint sent a FIN
-	flagOwned                        // the netstack holds the connection: it alone ends the flow
+	flagOwned                        // the netstack holds the connection (owners > 0): it alone ends the flow
 	flagHalf                         // counted as half-open (stateSyn, not owned, from Inbound)
 	flagSeqLo                        // end[0] and win[0] are known
 	flagSeqHi                        // end[1] and win[1] are known
@@ -79,14 +79,15 @@ func sideOf(fromLo bool) int {
 
 // flow is one slot of the open-addressing table (80 bytes).
 type flow struct {
-	key   flowKey
-	last  int64     // coarse clock when the state last changed or a packet was seen
-	end   [2]uint32 // per side: highest sequence number sent, plus one past its data, SYN and FIN
-	win   [2]uint32 // per side: largest receive window advertised, scaled
-	hash  uint32    // low bits of the key's hash, for deletion without rehashing
-	flags uint16
-	ws    [2]uint8 // per side: window scale offered in its SYN
-	state uint8
+	key    flowKey
+	last   int64     // coarse clock when the state last changed or a packet was seen
+	end    [2]uint32 // per side: highest sequence number sent, plus one past its data, SYN and FIN
+	win    [2]uint32 // per side: largest receive window advertised, scaled
+	hash   uint32    // low bits of the key's hash, for deletion without rehashing
+	flags  uint16
+	ws     [2]uint8 // per side: window scale offered in its SYN
+	state  uint8
+	owners uint8 // netstack endpoints holding the flow (both legs of a passthrough share it)
 }
 
 func (f *flow) initSide() int {
@@ -250,7 +251,11 @@ func (s *shard) evictOldestClosed() bool {
 func (s *shard) track(f *flow, seg *segment, trusted bool, now int64) bool {
 	side := sideOf(seg.fromLo)
 	if seg.flags&tcpRST != 0 {
-		if !trusted && !f.rstAcceptable(side, seg) {
+		// A flow held twice is a connection the netstack both accepted
+		// and dialled on the same addresses (passthrough keeping the
+		// pod's address): two sequence spaces share the entry, and the
+		// netstack's two endpoints check RSTs themselves (RFC 5961).
+		if !trusted && f.owners < 2 && !f.rstAcceptable(side, seg) {
 			return false
 		}
 		// A flow the netstack owns ends when the netstack lets go of
