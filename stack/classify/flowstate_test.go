@@ -3,6 +3,7 @@ package classify
 import (
 	"encoding/binary"
 	"net/netip"
+	"strconv"
 	"testing"
 	"time"
 )
@@ -220,6 +221,36 @@ func TestHalfOpenBounds(t *testing.T) {
 		expect(t, c, tcp(legit, server, tcpACK), Intercept, NoDrop)
 		if f := c.flowOf(t, legit, server); f.state != stateEstablished {
 			t.Fatalf("the newcomer's flow is in state %d, want established", f.state)
+		}
+	})
+	t.Run("equal-shares-hold", func(t *testing.T) {
+		c := New(Config{Policy: all, MaxFlows: 64, MaxHalfOpen: 4, MaxHalfOpenPerSource: 100})
+		for i := range 2 {
+			expect(t, c, tcp(from("198.18.9.1", 1000+i), server, tcpSYN), Intercept, NoDrop)
+			expect(t, c, tcp(from("198.18.9.2", 1000+i), server, tcpSYN), Intercept, NoDrop)
+		}
+		// Neither source holds more than the other would: refused
+		// cheaply, without churning the table.
+		expect(t, c, tcp(from("198.18.9.1", 2000), server, tcpSYN), Drop, HalfOpenFull)
+		expect(t, c, tcp(from("198.18.9.2", 2000), server, tcpSYN), Drop, HalfOpenFull)
+	})
+	t.Run("newcomers-rotate", func(t *testing.T) {
+		// Spoofed sources with one SYN each fill the table; a source
+		// with none pending still gets a slot (the oldest one's).
+		c := New(Config{Policy: all, MaxFlows: 64, MaxHalfOpen: 4, MaxHalfOpenPerSource: 100})
+		for i := range 4 {
+			sweepAt(c, time.Duration(i)*time.Second)
+			expect(t, c, tcp(from("198.18.9."+strconv.Itoa(10+i), 1000), server, tcpSYN), Intercept, NoDrop)
+		}
+		legit := from("198.18.9.2", 1000)
+		expect(t, c, tcp(legit, server, tcpSYN), Intercept, NoDrop)
+		if st := c.Stats(); st.HalfOpen != 4 || st.FlowsReplaced != 1 {
+			t.Fatalf("Stats = %+v, want 4 half-open, one replaced", st)
+		}
+		// The oldest went.
+		expect(t, c, tcp(from("198.18.9.10", 1000), server, tcpACK), Intercept, NoDrop)
+		if st := c.Stats(); st.UnknownIntercepted != 1 {
+			t.Fatalf("the oldest spoofed flow is still known: %+v", st)
 		}
 	})
 }

@@ -345,10 +345,11 @@ func (s *shard) put(i int, k *flowKey, h uint32, seg *segment, now int64) *flow 
 
 // evictHalfOpen makes room for a half-open flow whose initiator's bucket
 // will then hold mine flows: among the first few half-open flows found
-// from slot start on, it removes the oldest whose initiator holds at least
-// as many. Sources with fewer pending handshakes thus displace those with
-// more, which converges to an equal share per source. It reports whether
-// it removed one. The shard is at its half-open limit, so at least one
+// from slot start on, it removes the oldest whose initiator holds more (a
+// source with none pending yet may also displace another with one).
+// Sources with fewer pending handshakes thus displace those with more,
+// which converges to an equal share per source, and a flooding source
+// with its share is refused at once. It reports whether it removed one. The shard is at its half-open limit, so at least one
 // half-open flow is found; with the default sizes one in eight slots
 // holds one, and the walk is short.
 func (s *shard) evictHalfOpen(start uint32, mine int32) bool {
@@ -360,7 +361,7 @@ func (s *shard) evictHalfOpen(start uint32, mine int32) bool {
 			continue
 		}
 		seen++
-		if s.c.halfBySrc[s.c.srcBucket(&f.key, f.flags&flagInitLo != 0)].Load() < mine {
+		if n := s.c.halfBySrc[s.c.srcBucket(&f.key, f.flags&flagInitLo != 0)].Load(); n <= mine && !(mine == 1 && n == 1) {
 			continue
 		}
 		if best < 0 || f.last < s.slots[best].last {
