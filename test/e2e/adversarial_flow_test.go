@@ -15,14 +15,12 @@ import (
 	"testing"
 	"time"
 
-	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 	"gvisor.dev/gvisor/pkg/tcpip"
 	"gvisor.dev/gvisor/pkg/tcpip/checksum"
 	"gvisor.dev/gvisor/pkg/tcpip/header"
 
 	"github.com/meshtun/meshtun/test/cluster"
-	"github.com/meshtun/meshtun/tun"
 )
 
 // The adversarial flow tests attack the flow state of the data path: a
@@ -214,11 +212,12 @@ func roundTrip(c net.Conn, b []byte) error {
 }
 
 // TestAdversarialProxyKilled: node 1's proxy is SIGKILLed in the middle of
-// a mesh transfer while the pod keeps sending, and restarted. After the
-// restart, the pod's segments of the old connection must not go out in
-// plaintext: they are reset, the application sees the reset, and its new
-// connection goes through the mesh. Before the fix the restarted proxy
-// knew no flow and forwarded them verbatim.
+// a mesh transfer while the pod keeps sending, and restarted. Nothing of
+// the connection may cross the wire in plaintext while the proxy is down
+// (fail-closed routing blocks it) nor after the restart: the restarted
+// proxy resets the old connection's segments, the application sees the
+// reset, and its new connection goes through the mesh. Before the fix the
+// restarted proxy knew no flow and forwarded them verbatim.
 func TestAdversarialProxyKilled(t *testing.T) {
 	mc := newMeshCluster(t, "akill")
 	cfgStart := func() nodeProc { return mc.start(t, mc.n1) }
@@ -256,12 +255,8 @@ func TestAdversarialProxyKilled(t *testing.T) {
 	go io.Copy(io.Discard, cl) // echoes, while they come
 
 	time.Sleep(300 * time.Millisecond) // some transfer before the kill
-	// While no proxy runs, captured traffic must be blocked, not routed
-	// around the missing TUN (issue 11 item 2, another change). Until
-	// that is in, the test blocks it itself, as that change will: a
-	// blackhole behind the TUN's route in meshtun's table, which the
-	// restarted proxy's start-up cleanup removes.
-	emulateFailClosed(t, mc.n1)
+	// While no proxy runs, captured traffic is blocked (the prohibit
+	// route behind the TUN's), not routed around the missing TUN.
 	k.stop(syscall.SIGKILL)
 	downFrom := sn.captured()
 	time.Sleep(time.Second) // down for a second, the pod still sending
@@ -298,34 +293,6 @@ func TestAdversarialProxyKilled(t *testing.T) {
 	}
 	out := accessLog(t, r, cl2, "connection complete")
 	wantFields(t, out, "route", "hbone")
-}
-
-// emulateFailClosed adds a blackhole default route, behind the TUN's, to
-// meshtun's routing table on node n: what fail-closed routing (issue 11
-// item 2) installs so that nothing captured is routed in the clear while
-// no proxy runs. An existing equal route is fine.
-func emulateFailClosed(t testing.TB, n *cluster.Node) {
-	t.Helper()
-	err := n.NS.Do(func() error {
-		for _, dst := range []netip.Prefix{netip.MustParsePrefix("0.0.0.0/0"), netip.MustParsePrefix("::/0")} {
-			r := &netlink.Route{
-				Dst:   &net.IPNet{IP: dst.Addr().AsSlice(), Mask: net.CIDRMask(0, dst.Addr().BitLen())},
-				Table: tun.DefaultTable, Type: unix.RTN_BLACKHOLE, Priority: 0xffff,
-			}
-			if dst.Addr().Is6() {
-				r.Family = unix.AF_INET6
-			} else {
-				r.Family = unix.AF_INET
-			}
-			if err := netlink.RouteAdd(r); err != nil && !errors.Is(err, unix.EEXIST) {
-				return fmt.Errorf("blackhole %s in table %#x: %w", dst, tun.DefaultTable, err)
-			}
-		}
-		return nil
-	})
-	if err != nil {
-		t.Fatalf("node %s: %v", n.Name(), err)
-	}
 }
 
 // synFlood sends SYNs to dst from random sources of the prefix src (whose
