@@ -59,13 +59,51 @@ func FuzzClassify(f *testing.F) {
 		if len(pkt) > 0 {
 			c.Outbound(pkt[:len(pkt)-1])
 		}
+		// The netstack takes and lets go of the packet's flow now and
+		// then (as a connection request and its close would).
+		var seg segment
+		if res, _ := parse(pkt, false, &seg); res == parsedTCP && len(pkt) > 0 {
+			src, dst := addrsOf(pkt, &seg)
+			switch pkt[len(pkt)-1] % 4 {
+			case 0:
+				c.Own(dst, src)
+			case 1:
+				c.Release(src, dst)
+			}
+		}
 		n++
 		if n%32 == 0 {
 			c.Sweep(c.base.Add(time.Duration(n) * time.Second))
+			// The per-source counters add up to the half-open total.
+			var sum int64
+			for i := range c.halfBySrc {
+				v := c.halfBySrc[i].Load()
+				if v < 0 {
+					t.Fatalf("per-source half-open counter %d is %d", i, v)
+				}
+				sum += int64(v)
+			}
+			if sum != c.halfTotal.Load() {
+				t.Fatalf("per-source half-open counters sum to %d, total %d", sum, c.halfTotal.Load())
+			}
 		}
 		st := c.Stats()
 		if st.Flows < 0 || st.Flows > 16 || st.FlowsInserted-st.FlowsExpired-st.FlowsReplaced != uint64(st.Flows) {
 			t.Fatalf("inconsistent stats %+v", st)
 		}
+		if st.HalfOpen < 0 || st.HalfOpen > st.Flows {
+			t.Fatalf("half-open count %d of %d flows", st.HalfOpen, st.Flows)
+		}
 	})
+}
+
+// addrsOf returns the source and destination of a TCP segment parsed
+// from pkt.
+func addrsOf(pkt []byte, seg *segment) (src, dst netip.AddrPort) {
+	if seg.v6 {
+		return netip.AddrPortFrom(netip.AddrFrom16([16]byte(pkt[8:24])), seg.sport),
+			netip.AddrPortFrom(netip.AddrFrom16([16]byte(pkt[24:40])), seg.dport)
+	}
+	return netip.AddrPortFrom(netip.AddrFrom4([4]byte(pkt[12:16])), seg.sport),
+		netip.AddrPortFrom(netip.AddrFrom4([4]byte(pkt[16:20])), seg.dport)
 }
