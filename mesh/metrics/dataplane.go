@@ -21,6 +21,12 @@ type DataPlaneStats struct {
 	Flows         int    // flow-table entries
 	FlowsInserted uint64
 	FlowsExpired  uint64
+	// FlowsHalfOpen are flows whose handshake the initiator has not
+	// completed and that the netstack does not hold.
+	FlowsHalfOpen int
+	// UnknownIntercepted counts TCP segments of no known flow that were
+	// handed to the netstack (to be reset) rather than sent verbatim.
+	UnknownIntercepted uint64
 
 	TCPRetransmits      uint64 // netstack TCP segments retransmitted
 	ForwarderDrops      uint64 // SYNs dropped: too many connections pending
@@ -53,8 +59,10 @@ var (
 	descFlows     = prometheus.NewDesc("meshtun_flows", "Entries in the classifier's flow table.", nil, nil)
 	descInserted  = prometheus.NewDesc("meshtun_flows_inserted_total", "Flows added to the flow table.", nil, nil)
 	descExpired   = prometheus.NewDesc("meshtun_flows_expired_total", "Flows removed from the flow table after their timeout.", nil, nil)
+	descHalfOpen  = prometheus.NewDesc("meshtun_flows_half_open", "Flows whose initiator has not completed the handshake and that the netstack does not hold yet.", nil, nil)
+	descUnknown   = prometheus.NewDesc("meshtun_unknown_segments_intercepted_total", "TCP segments of no known flow, of a connection intercepted whichever side opened it, handed to the netstack (which resets them) instead of being forwarded verbatim.", nil, nil)
 	descRetrans   = prometheus.NewDesc("meshtun_netstack_tcp_retransmits_total", "TCP segments the netstack retransmitted.", nil, nil)
-	descFwdDrops  = prometheus.NewDesc("meshtun_netstack_forwarder_drops_total", "New connections dropped because too many were pending.", nil, nil)
+	descFwdDrops  = prometheus.NewDesc("meshtun_netstack_forwarder_drops_total", "New connections dropped because too many were pending, in all or from their source.", nil, nil)
 	descWriteErrs = prometheus.NewDesc("meshtun_verbatim_write_errors_total", "Verbatim packets the TUN refused.", nil, nil)
 	descPoolConns = prometheus.NewDesc("meshtun_hbone_pool_connections", "Outbound HBONE connections in the pool.", nil, nil)
 	descPoolStrms = prometheus.NewDesc("meshtun_hbone_pool_streams", "Outbound HBONE streams open.", nil, nil)
@@ -65,7 +73,7 @@ var (
 
 func (d *dataPlane) Describe(ch chan<- *prometheus.Desc) {
 	for _, desc := range []*prometheus.Desc{descPackets, descBytes, descDrops, descPktDrops, descOutbound, descFlows, descInserted, descExpired,
-		descRetrans, descFwdDrops, descWriteErrs, descPoolConns, descPoolStrms, descSrvConns, descInbound, descExpiry} {
+		descHalfOpen, descUnknown, descRetrans, descFwdDrops, descWriteErrs, descPoolConns, descPoolStrms, descSrvConns, descInbound, descExpiry} {
 		ch <- desc
 	}
 }
@@ -94,6 +102,8 @@ func (d *dataPlane) Collect(ch chan<- prometheus.Metric) {
 	gauge(descFlows, float64(s.Flows))
 	counter(descInserted, s.FlowsInserted)
 	counter(descExpired, s.FlowsExpired)
+	gauge(descHalfOpen, float64(s.FlowsHalfOpen))
+	counter(descUnknown, s.UnknownIntercepted)
 	counter(descRetrans, s.TCPRetransmits)
 	counter(descFwdDrops, s.ForwarderDrops)
 	counter(descWriteErrs, s.VerbatimWriteErrors)

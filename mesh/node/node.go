@@ -256,7 +256,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 		return err
 	}
 	n.px.SetDialer(n.st)
-	n.hl = &hboneListeners{st: n.st, serve: n.px.ServeHBONE, log: log, open: map[netip.Addr]*stack.Listener{}}
+	n.hl = &hboneListeners{st: n.st, serve: n.px.ServeNetstackHBONE, log: log, open: map[netip.Addr]*stack.Listener{}}
 	n.hl.sync(locals)
 	if err := n.metrics.Register(metrics.DataPlane(n.dataPlaneStats)); err != nil {
 		return fmt.Errorf("node: metrics: %w", err)
@@ -352,7 +352,8 @@ func (n *node) dataPlaneStats() metrics.DataPlaneStats {
 	d := metrics.DataPlaneStats{
 		Packets: map[[2]string]uint64{}, Bytes: map[[2]string]uint64{}, Outbound: cs.Outbound,
 		Flows: cs.Flows, FlowsInserted: cs.FlowsInserted, FlowsExpired: cs.FlowsExpired,
-		TCPRetransmits: ss.TCPRetransmits, ForwarderDrops: ss.ForwarderDrops,
+		FlowsHalfOpen: cs.HalfOpen, UnknownIntercepted: cs.UnknownIntercepted,
+		TCPRetransmits: ss.TCPRetransmits, ForwarderDrops: ss.ForwarderDrops + ss.PendingDrops,
 		VerbatimWriteErrors: ss.VerbatimWriteErrors,
 		HBONEConns:          ps.Conns, HBONEStreams: ps.Streams, HBONEServerConns: n.hs.OpenConns(),
 		Drops: map[string]uint64{},

@@ -32,15 +32,16 @@ func (p *Proxy) inbound(req *stack.TCPRequest, dst *registry.Workload) {
 	p.server.Load().ServeConn(p.ctx, c)
 }
 
-// ServeHBONE serves an HBONE connection that the netstack accepted on a
-// local workload's port 15008 (a stack.Listener, which answers SYN floods
-// with SYN cookies); the HBONE server takes over, as for inbound.
-func (p *Proxy) ServeHBONE(c *stack.Conn) {
+// ServeNetstackHBONE serves an HBONE connection that the netstack accepted
+// on a local workload's port 15008 (a stack.Listener, which answers SYN
+// floods with SYN cookies); the HBONE server takes over, as for inbound.
+func (p *Proxy) ServeNetstackHBONE(c *stack.Conn) {
 	srv := p.server.Load()
 	if srv == nil {
 		c.Abort()
 		return
 	}
+	p.hboneNetstack.Add(1)
 	srv.ServeConn(p.ctx, c)
 }
 

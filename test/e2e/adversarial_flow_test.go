@@ -169,6 +169,11 @@ func TestAdversarialSpoofedRST(t *testing.T) {
 		}
 	}
 
+	// Both nodes saw the RSTs and refused them.
+	for _, n := range []*cluster.Node{mc.n1, mc.n2} {
+		waitMetric(t, n, "meshtun_classifier_drops_total", map[string]string{"reason": "rst-out-of-window"}, 5*time.Second)
+	}
+
 	// Keep talking for longer than a closed flow's grace period and the
 	// sweep interval: 15 s + 5 s.
 	done := make(chan struct{})
@@ -282,6 +287,9 @@ func TestAdversarialProxyKilled(t *testing.T) {
 	if err == nil || !isReset(err) && !errors.Is(err, syscall.EPIPE) {
 		t.Fatalf("the pod's connection after the restart: %v, want a reset (sent %d writes)", err, sent.Load())
 	}
+	// The reset came from the restarted proxy, which met segments of a
+	// flow it did not know.
+	waitMetric(t, mc.n1, "meshtun_unknown_segments_intercepted_total", nil, 5*time.Second)
 	// Reconnecting goes through the mesh.
 	cl2 := dial(t, mc.p11.NS, mc.p21.IPv4, 7421)
 	if err := roundTrip(cl2, marker); err != nil {
@@ -293,6 +301,19 @@ func TestAdversarialProxyKilled(t *testing.T) {
 	}
 	out := accessLog(t, r, cl2, "connection complete")
 	wantFields(t, out, "route", "hbone")
+}
+
+// waitMetric waits until node n's metric name (summed over the series
+// with labels) is above zero.
+func waitMetric(t testing.TB, n *cluster.Node, name string, labels map[string]string, timeout time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for value(scrape(t, n), name, labels) == 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s%v on %s is still 0 after %v", name, labels, n.Name(), timeout)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
 }
 
 // synFlood sends SYNs to dst from random sources of the prefix src (whose
@@ -431,6 +452,13 @@ func TestAdversarialSYNFlood(t *testing.T) {
 	fams := scrape(t, f.mc.n2)
 	t.Logf("unloaded: %d ok / %d failed in 2 s; flood: %d SYNs sent, client %d ok / %d failed in 8 s; node 2 flows %v, drops %v",
 		ok0, failed0, syns, okN.Load(), failN.Load(), value(fams, "meshtun_flows", nil), value(fams, "meshtun_classifier_drops_total", nil))
+	if half := value(fams, "meshtun_flows_half_open", nil); half > 65536/4 {
+		t.Errorf("node 2 holds %v half-open flows, above its bound of %d", half, 65536/4)
+	}
+	if v := value(fams, "meshtun_classifier_drops_total", map[string]string{"reason": "half-open-full"}) +
+		value(fams, "meshtun_classifier_drops_total", map[string]string{"reason": "half-open-per-source"}); v == 0 {
+		t.Errorf("node 2 dropped no SYN for its half-open bounds: the flood did not reach them")
+	}
 	if syns < 50000 {
 		t.Logf("only %d SYNs sent: the machine is too busy for a full flood", syns)
 	}
