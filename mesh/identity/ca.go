@@ -2,6 +2,7 @@ package identity
 
 import (
 	"context"
+	"crypto"
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
@@ -15,6 +16,8 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"slices"
+	"sync"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -62,11 +65,16 @@ type CAConfig struct {
 // issues X509-SVIDs for one trust domain. It implements Issuer. It is safe for
 // concurrent use.
 type CA struct {
-	td   spiffeid.TrustDomain
-	key  *ecdsa.PrivateKey
-	root *x509.Certificate
-	ttl  time.Duration
-	now  func() time.Time
+	td  spiffeid.TrustDomain
+	dir string
+	ttl time.Duration
+	now func() time.Time
+	log zerolog.Logger
+
+	mu      sync.RWMutex
+	key     *ecdsa.PrivateKey
+	root    *x509.Certificate   // signs
+	trusted []*x509.Certificate // root first, then the next and previous roots (rotation)
 }
 
 // OpenCA loads the CA root from cfg.Dir, or creates and stores a new one when
@@ -81,7 +89,7 @@ func OpenCA(cfg CAConfig) (*CA, error) {
 	if cfg.Dir == "" {
 		return nil, fmt.Errorf("identity: CA for %s needs a directory", cfg.TrustDomain)
 	}
-	ca := &CA{td: cfg.TrustDomain, ttl: cfg.SVIDTTL, now: cfg.Now}
+	ca := &CA{td: cfg.TrustDomain, dir: cfg.Dir, ttl: cfg.SVIDTTL, now: cfg.Now, log: cfg.Logger}
 	if ca.ttl <= 0 {
 		ca.ttl = DefaultSVIDTTL
 	}
@@ -130,7 +138,7 @@ func OpenCA(cfg CAConfig) (*CA, error) {
 		}
 		cfg.Logger.Info().Str("dir", cfg.Dir).Str("trust_domain", ca.td.String()).
 			Time("not_after", ca.root.NotAfter).Msg("created CA root")
-		return ca, nil
+		return ca, ca.loadTrusted()
 	}
 	if ca.key, err = readKey(keyPath); err != nil {
 		return nil, err
@@ -141,25 +149,37 @@ func OpenCA(cfg CAConfig) (*CA, error) {
 		}
 		cfg.Logger.Warn().Str("dir", cfg.Dir).Str("cert", certPath).
 			Msg("CA root key had no certificate; created a new self-signed certificate for it")
-		return ca, nil
+		return ca, ca.loadTrusted()
 	}
 	if ca.root, err = ca.readRoot(certPath, keyPath); err != nil {
 		return nil, err
 	}
 	cfg.Logger.Info().Str("dir", cfg.Dir).Str("trust_domain", ca.td.String()).
 		Time("not_after", ca.root.NotAfter).Msg("loaded CA root")
-	return ca, nil
+	return ca, ca.loadTrusted()
 }
 
 // TrustDomain returns the trust domain the CA issues for.
 func (ca *CA) TrustDomain() spiffeid.TrustDomain { return ca.td }
 
-// Root returns the CA's root certificate.
-func (ca *CA) Root() *x509.Certificate { return ca.root }
+// Root returns the CA's signing root certificate.
+func (ca *CA) Root() *x509.Certificate {
+	ca.mu.RLock()
+	defer ca.mu.RUnlock()
+	return ca.root
+}
 
-// Bundle returns a trust bundle holding the CA's root.
+// Roots returns every root the CA's trust bundle holds: the signing root
+// first, then a prepared next root and the previous roots of a rotation.
+func (ca *CA) Roots() []*x509.Certificate {
+	ca.mu.RLock()
+	defer ca.mu.RUnlock()
+	return slices.Clone(ca.trusted)
+}
+
+// Bundle returns a trust bundle holding the CA's roots (see Roots).
 func (ca *CA) Bundle() *x509bundle.Bundle {
-	return x509bundle.FromX509Authorities(ca.td, []*x509.Certificate{ca.root})
+	return x509bundle.FromX509Authorities(ca.td, ca.Roots())
 }
 
 // Issue returns a new X509-SVID for id: a fresh ECDSA P-256 key and a leaf
@@ -179,17 +199,51 @@ func (ca *CA) Issue(ctx context.Context, id spiffeid.ID) (*x509svid.SVID, error)
 	if err != nil {
 		return nil, fmt.Errorf("identity: issue SVID for %s: generate key: %w", id, err)
 	}
-	serial, err := newSerial()
+	chain, err := ca.Sign(&key.PublicKey, id, 0)
 	if err != nil {
 		return nil, fmt.Errorf("identity: issue SVID for %s: %w", id, err)
 	}
+	der := chain[0].Raw
+	keyDER, err := x509.MarshalPKCS8PrivateKey(key)
+	if err != nil {
+		return nil, fmt.Errorf("identity: issue SVID for %s: marshal key: %w", id, err)
+	}
+	svid, err := x509svid.ParseRaw(der, keyDER)
+	if err != nil {
+		return nil, fmt.Errorf("identity: issue SVID for %s: %w", id, err)
+	}
+	return svid, nil
+}
+
+// Sign issues a certificate for pub with id as its only URI SAN, valid from
+// one minute before now for ttl (the CA's SVID TTL if ttl is zero or longer;
+// cut at the root's expiry), signed by the signing root. It returns the
+// leaf followed by the roots of the CA's trust bundle, signing root first.
+// The caller has checked that whoever holds pub may be id.
+func (ca *CA) Sign(pub crypto.PublicKey, id spiffeid.ID, ttl time.Duration) ([]*x509.Certificate, error) {
+	if !id.MemberOf(ca.td) {
+		return nil, fmt.Errorf("CA of trust domain %s cannot issue a certificate for %s", ca.td, id)
+	}
+	if id.Path() == "" {
+		return nil, fmt.Errorf("cannot issue a certificate for %s: the SPIFFE ID has no path", id)
+	}
+	if ttl <= 0 || ttl > ca.ttl {
+		ttl = ca.ttl
+	}
+	serial, err := newSerial()
+	if err != nil {
+		return nil, err
+	}
+	ca.mu.RLock()
+	key, root, trusted := ca.key, ca.root, ca.trusted
+	ca.mu.RUnlock()
 	now := ca.now()
-	notAfter := now.Add(ca.ttl)
-	if notAfter.After(ca.root.NotAfter) {
-		notAfter = ca.root.NotAfter
+	notAfter := now.Add(ttl)
+	if notAfter.After(root.NotAfter) {
+		notAfter = root.NotAfter
 	}
 	if !notAfter.After(now) {
-		return nil, fmt.Errorf("identity: issue SVID for %s: CA root expired at %s", id, ca.root.NotAfter.Format(time.RFC3339))
+		return nil, fmt.Errorf("CA root expired at %s", root.NotAfter.Format(time.RFC3339))
 	}
 	tmpl := &x509.Certificate{
 		SerialNumber:          serial,
@@ -201,19 +255,15 @@ func (ca *CA) Issue(ctx context.Context, id spiffeid.ID) (*x509svid.SVID, error)
 		ExtKeyUsage:           []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
 		BasicConstraintsValid: true,
 	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.root, &key.PublicKey, ca.key)
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, root, pub, key)
 	if err != nil {
-		return nil, fmt.Errorf("identity: issue SVID for %s: sign certificate: %w", id, err)
+		return nil, fmt.Errorf("sign certificate: %w", err)
 	}
-	keyDER, err := x509.MarshalPKCS8PrivateKey(key)
+	leaf, err := x509.ParseCertificate(der)
 	if err != nil {
-		return nil, fmt.Errorf("identity: issue SVID for %s: marshal key: %w", id, err)
+		return nil, fmt.Errorf("parse new certificate: %w", err)
 	}
-	svid, err := x509svid.ParseRaw(der, keyDER)
-	if err != nil {
-		return nil, fmt.Errorf("identity: issue SVID for %s: %w", id, err)
-	}
-	return svid, nil
+	return append([]*x509.Certificate{leaf}, trusted...), nil
 }
 
 func (ca *CA) createRoot(certPath string, ttl time.Duration) (*x509.Certificate, error) {

@@ -41,3 +41,28 @@ func ParseWorkloadID(id spiffeid.ID) (ns, sa string, err error) {
 	}
 	return parts[1], parts[3], nil
 }
+
+// NodeID returns the SPIFFE ID of the meshtun node proxy named node, the
+// identity of its node credential: spiffe://<td>/meshtun/node/<node>.
+func NodeID(td spiffeid.TrustDomain, node string) (spiffeid.ID, error) {
+	id, err := spiffeid.FromSegments(td, "meshtun", "node", node)
+	if err != nil {
+		return spiffeid.ID{}, fmt.Errorf("identity: node ID for node %q in %s: %w", node, td, err)
+	}
+	return id, nil
+}
+
+// ParseNodeID returns the node name of a node ID made by NodeID.
+func ParseNodeID(id spiffeid.ID) (string, error) {
+	parts := strings.Split(strings.TrimPrefix(id.Path(), "/"), "/")
+	if len(parts) != 3 || parts[0] != "meshtun" || parts[1] != "node" || parts[2] == "" {
+		return "", fmt.Errorf("identity: %q is not a node ID of the form spiffe://<trust-domain>/meshtun/node/<node>", id.String())
+	}
+	return parts[2], nil
+}
+
+// CAServerID returns the SPIFFE ID that the certificate service (`meshtun
+// ca`) presents to its clients: spiffe://<td>/meshtun/ca.
+func CAServerID(td spiffeid.TrustDomain) spiffeid.ID {
+	return spiffeid.RequireFromSegments(td, "meshtun", "ca")
+}

@@ -4,9 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -61,6 +63,9 @@ type Source struct {
 	mu      sync.Mutex
 	entries map[spiffeid.ID]*entry
 	wg      sync.WaitGroup
+
+	renewals, renewFailures atomic.Uint64
+	failing                 atomic.Int64
 }
 
 type entry struct {
@@ -264,8 +269,37 @@ func (s *Source) issue(ctx context.Context, id spiffeid.ID) (*x509svid.SVID, err
 	return svid, nil
 }
 
-// renew keeps e's SVID fresh: it reissues at half of the remaining lifetime
-// measured from issuedAt, and retries failures until ctx ends.
+// renewJitter is the fraction of an SVID's lifetime by which a renewal may
+// come early: renewals happen between 40% and 50% of the lifetime, so that
+// a node with many workloads issued at the same moment does not send all
+// its requests again at the same moment.
+const renewJitter = 0.1
+
+// renewDelay returns how long after now an SVID issued at issuedAt and
+// expiring at notAfter is renewed: at half of its lifetime, earlier by
+// jitter (0 to 1) times renewJitter of the lifetime, never before
+// minRenewDelay.
+func renewDelay(issuedAt, notAfter, now time.Time, jitter float64) time.Duration {
+	life := notAfter.Sub(issuedAt)
+	at := issuedAt.Add(life/2 - time.Duration(float64(life)*renewJitter*jitter))
+	return max(at.Sub(now), minRenewDelay)
+}
+
+// retryDelay returns the wait before retry number failures (1, 2, …) of a
+// renewal: base doubled per failure (exponential backoff), but never more
+// than half of the lifetime left, so that the last attempts before expiry
+// come closer together, and never less than minRenewDelay.
+func retryDelay(base time.Duration, failures int, left time.Duration) time.Duration {
+	d := base
+	for i := 1; i < failures && d < time.Hour; i++ {
+		d *= 2
+	}
+	return max(min(d, left/2), minRenewDelay)
+}
+
+// renew keeps e's SVID fresh: it reissues at half of the lifetime (with
+// jitter) and retries failures with backoff until ctx ends. The current
+// SVID stays in use until it is replaced, also after renewals failed.
 func (s *Source) renew(ctx context.Context, id spiffeid.ID, e *entry, issuedAt time.Time) {
 	defer s.wg.Done()
 	log := s.cfg.Logger.With().Str("identity", id.String()).Logger()
@@ -273,38 +307,81 @@ func (s *Source) renew(ctx context.Context, id spiffeid.ID, e *entry, issuedAt t
 	defer timer.Stop()
 	for {
 		notAfter := e.current().Certificates[0].NotAfter
-		wait := max(notAfter.Sub(issuedAt)/2-time.Since(issuedAt), minRenewDelay)
-		timer.Reset(wait)
+		timer.Reset(renewDelay(issuedAt, notAfter, time.Now(), rand.Float64()))
 		select {
 		case <-ctx.Done():
 			return
 		case <-timer.C:
 		}
-		for {
+		for failures := 1; ; failures++ {
 			svid, err := s.issue(ctx, id)
 			if err == nil {
 				e.mu.Lock()
 				e.svid = svid
 				e.mu.Unlock()
 				issuedAt = time.Now()
-				log.Debug().Time("not_after", svid.Certificates[0].NotAfter).Msg("renewed SVID")
+				if failures > 1 {
+					s.failing.Add(-1)
+					log.Info().Int("failed_attempts", failures-1).Time("not_after", svid.Certificates[0].NotAfter).Msg("SVID renewed after failures")
+				} else {
+					log.Debug().Time("not_after", svid.Certificates[0].NotAfter).Msg("renewed SVID")
+				}
+				s.renewals.Add(1)
 				s.notify(id, svid)
 				break
 			}
 			if ctx.Err() != nil {
+				if failures > 1 {
+					s.failing.Add(-1)
+				}
 				return
 			}
+			if failures == 1 {
+				s.failing.Add(1)
+			}
+			s.renewFailures.Add(1)
 			left := time.Until(notAfter)
-			retry := max(min(s.cfg.RetryInterval, left/2), minRenewDelay)
-			log.Warn().Err(err).Time("not_after", notAfter).Dur("retry_in", retry).Msg("SVID renewal failed")
+			retry := retryDelay(s.cfg.RetryInterval, failures, left)
+			ev := log.Warn()
+			if left <= 0 {
+				ev = log.Error()
+			}
+			ev.Err(err).Time("not_after", notAfter).Bool("expired", left <= 0).Int("attempt", failures).
+				Dur("retry_in", retry).Msg("SVID renewal failed; the current certificate stays in use until it expires")
 			timer.Reset(retry)
 			select {
 			case <-ctx.Done():
+				s.failing.Add(-1)
 				return
 			case <-timer.C:
 			}
 		}
 	}
+}
+
+// Stats are a Source's renewal counters.
+type Stats struct {
+	// Renewals counts successful renewals; RenewalFailures failed attempts.
+	Renewals, RenewalFailures uint64
+	// Failing is the number of identities whose renewal is failing now.
+	Failing int
+	// Valid is the number of local identities holding an unexpired SVID;
+	// Total the number of local identities.
+	Valid, Total int
+}
+
+// Stats returns the renewal counters and how many identities hold a
+// valid SVID now.
+func (s *Source) Stats() Stats {
+	st := Stats{Renewals: s.renewals.Load(), RenewalFailures: s.renewFailures.Load(), Failing: int(s.failing.Load())}
+	now := time.Now()
+	for _, id := range s.IDs() {
+		st.Total++
+		if svid, err := s.SVID(id); err == nil && now.Before(svid.Certificates[0].NotAfter) {
+			st.Valid++
+		}
+	}
+	return st
 }
 
 func (s *Source) notify(id spiffeid.ID, svid *x509svid.SVID) {

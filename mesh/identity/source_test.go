@@ -136,9 +136,11 @@ func TestSourceRenewsAtHalfLife(t *testing.T) {
 	// Certificate times have one-second resolution, so the real lifetime is
 	// what NotAfter says, not ttl.
 	elapsed := second.at.Sub(first.at)
-	half := first.svid.Certificates[0].NotAfter.Sub(first.at) / 2
-	if elapsed < half-100*time.Millisecond || elapsed > half+300*time.Millisecond {
-		t.Errorf("renewed %s after the first issue, want about half of the remaining lifetime, %s", elapsed, half)
+	life := first.svid.Certificates[0].NotAfter.Sub(first.at)
+	half := life / 2
+	early := time.Duration(float64(life) * renewJitter)
+	if elapsed < half-early-100*time.Millisecond || elapsed > half+300*time.Millisecond {
+		t.Errorf("renewed %s after the first issue, want between %s and %s (half of the remaining lifetime, up to %s early)", elapsed, half-early, half, early)
 	}
 	if second.svid.Certificates[0].SerialNumber.Cmp(first.svid.Certificates[0].SerialNumber) == 0 {
 		t.Error("renewal kept the old certificate")
@@ -231,5 +233,72 @@ func TestSourceAddFailure(t *testing.T) {
 	src.Close()
 	if err := src.Add(context.Background(), mustID(t, testTD, "ns", "late")); err == nil {
 		t.Error("Add after Close succeeded")
+	}
+}
+
+func TestRenewScheduling(t *testing.T) {
+	t0 := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	notAfter := t0.Add(time.Hour)
+	for _, c := range []struct {
+		now    time.Time
+		jitter float64
+		want   time.Duration
+	}{
+		{t0, 0, 30 * time.Minute},                       // half-life
+		{t0, 1, 24 * time.Minute},                       // at most 10% of the lifetime early
+		{t0, 0.5, 27 * time.Minute},                     // in between
+		{t0.Add(10 * time.Minute), 0, 20 * time.Minute}, // measured from issuance, not from now
+		{t0.Add(50 * time.Minute), 0, minRenewDelay},    // overdue: at once, but not in a spin
+		{t0.Add(-time.Minute), 0, 31 * time.Minute},     // clock behind the issuance
+	} {
+		if got := renewDelay(t0, notAfter, c.now, c.jitter); got != c.want {
+			t.Errorf("renewDelay(now %s, jitter %v) = %s, want %s", c.now.Sub(t0), c.jitter, got, c.want)
+		}
+	}
+	for _, c := range []struct {
+		failures int
+		left     time.Duration
+		want     time.Duration
+	}{
+		{1, time.Hour, 5 * time.Second},
+		{2, time.Hour, 10 * time.Second},
+		{4, time.Hour, 40 * time.Second},
+		{40, time.Hour, 30 * time.Minute}, // capped at half of what is left
+		{3, 10 * time.Second, 5 * time.Second},
+		{1, 0, minRenewDelay}, // expired: keep trying, not spinning
+		{1, -time.Hour, minRenewDelay},
+	} {
+		if got := retryDelay(5*time.Second, c.failures, c.left); got != c.want {
+			t.Errorf("retryDelay(5s, %d, %s) = %s, want %s", c.failures, c.left, got, c.want)
+		}
+	}
+}
+
+func TestSourceStatsCountFailingRenewals(t *testing.T) {
+	ca := openCA(t, t.TempDir(), testTD, 2*time.Second)
+	issuer := &flakyIssuer{ca: ca, fail: map[int32]bool{}}
+	for i := int32(2); i < 100; i++ {
+		issuer.fail[i] = true
+	}
+	src, _ := newTestSource(t, issuer, ca)
+	id := mustID(t, testTD, "ns", "stats")
+	if err := src.Add(context.Background(), id); err != nil {
+		t.Fatal(err)
+	}
+	if st := src.Stats(); st.Valid != 1 || st.Total != 1 || st.Failing != 0 {
+		t.Fatalf("after issuance: %+v, want 1 valid of 1, none failing", st)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for src.Stats().Failing == 0 && time.Now().Before(deadline) {
+		time.Sleep(20 * time.Millisecond)
+	}
+	st := src.Stats()
+	if st.Failing != 1 || st.RenewalFailures == 0 || st.Valid != 1 {
+		t.Fatalf("while the issuer fails: %+v, want 1 failing, failures counted, the old SVID still valid", st)
+	}
+	exp, _ := src.Expiry(id)
+	time.Sleep(time.Until(exp) + 100*time.Millisecond)
+	if st := src.Stats(); st.Valid != 0 || st.Total != 1 {
+		t.Fatalf("after expiry: %+v, want 0 valid of 1", st)
 	}
 }
