@@ -272,7 +272,10 @@ func (t *Topology) build(ctx context.Context, spec Spec, ps []pathPlan) error {
 		return fmt.Errorf("topo: %w", err)
 	}
 	t.dir = dir
-	m := noderun.Mesh{Pods: map[string]noderun.Pod{}}
+	// The benchmark measures the data path: its nodes issue their own
+	// certificates from a shared CA directory (development mode) instead
+	// of running `meshtun ca` on a control host.
+	m := noderun.Mesh{Pods: map[string]noderun.Pod{}, InsecureSharedCA: true}
 	for _, p := range t.Paths {
 		if p.Kind == Passthrough {
 			m.Pods[p.Dst.ID] = noderun.Pod{Outside: true}

@@ -22,6 +22,7 @@ const usage = `usage: meshtun <command> [flags]
 commands:
   node      run the node proxy in the current network namespace
             (node --uninstall: remove meshtun's rules from it)
+  ca        the certificate service and its operator commands (see docs/identity.md)
   bench     measure meshtun's data paths side by side (root; see -h)
   version   print the version
 
@@ -40,6 +41,8 @@ func main() {
 	switch cmd, args := os.Args[1], os.Args[2:]; cmd {
 	case "node":
 		err = runNode(ctx, args)
+	case "ca":
+		err = runCA(ctx, args)
 	case "demo":
 		err = runDemo(ctx, args)
 	case "bench":

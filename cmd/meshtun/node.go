@@ -9,6 +9,9 @@ import (
 	"runtime"
 	"time"
 
+	"github.com/rs/zerolog"
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+
 	"github.com/meshtun/meshtun/mesh/config"
 	"github.com/meshtun/meshtun/mesh/identity"
 	"github.com/meshtun/meshtun/mesh/node"
@@ -19,6 +22,7 @@ func runNode(ctx context.Context, args []string) error {
 	fs := flag.NewFlagSet("node", flag.ContinueOnError)
 	var (
 		path, name, logLevel string
+		credDir              string
 		noIntercept          bool
 		uninstall            bool
 		hboneNetstack        bool
@@ -27,6 +31,7 @@ func runNode(ctx context.Context, args []string) error {
 	)
 	fs.StringVar(&path, "config", "/etc/meshtun/mesh.yaml", "the mesh config `file` (see docs/config.md)")
 	fs.StringVar(&name, "node", "", "this node's `name` in the config file (required)")
+	fs.StringVar(&credDir, "credentials", "/var/lib/meshtun/node", "`directory` of this node's credential for `meshtun ca` (cert.pem, key.pem, roots.pem; made by `meshtun ca issue-node`)")
 	fs.BoolVar(&noIntercept, "no-intercept", false, "intercept nothing: every packet goes through the TUN verbatim (for measuring the TUN path alone)")
 	fs.BoolVar(&uninstall, "uninstall", false, "remove meshtun from this network namespace (its rules and blocking routes, which a stopped proxy leaves so that captured traffic stays blocked) and exit; refused while a proxy runs")
 	fs.BoolVar(&hboneNetstack, "hbone-netstack", false, "terminate inbound HBONE on the netstack through the TUN, not on a kernel socket (the fallback when the kernel cannot; for comparisons)")
@@ -79,7 +84,7 @@ func runNode(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	err = node.Run(ctx, node.Config{
+	ncfg := node.Config{
 		Name:            nc.Name,
 		TUN:             tun.Config{Name: nc.TUN.Name, MTU: nc.TUN.MTU, TxQueueLen: nc.TUN.TxQueueLen},
 		CaptureLinks:    links,
@@ -94,7 +99,22 @@ func runNode(ctx context.Context, args []string) error {
 		ReadinessAddr:   nc.Listen.Readiness,
 		DrainPeriod:     drain,
 		Logger:          log,
-	})
+	}
+	switch {
+	case c.CA.InsecureSharedDir:
+		// node.Run opens ca.dir itself, and says loudly that it does.
+	case c.CA.Address == "":
+		return fmt.Errorf("%s: ca.address is required: the address of `meshtun ca` (or, for development only, ca.insecureSharedDir: true to have every node hold the root key)", path)
+	default:
+		remote, err := remoteIssuer(c, mesh.TrustDomain, credDir, log)
+		if err != nil {
+			return err
+		}
+		defer remote.Close()
+		ncfg.Issuer, ncfg.Bundle = remote, remote.Bundle()
+		log.Info().Str("ca", c.CA.Address).Str("credentials", credDir).Msg("certificates from the certificate service")
+	}
+	err = node.Run(ctx, ncfg)
 	if errors.Is(err, context.Canceled) {
 		return nil
 	}
@@ -122,4 +142,22 @@ func nodeProcs(flag int, envSet bool, runtimeDefault int) int {
 		return runtimeDefault
 	}
 	return max(1, runtimeDefault/2)
+}
+
+// remoteIssuer returns the client of `meshtun ca` for this node: it
+// authenticates with the node credential in credDir and first trusts the
+// roots stored with it.
+func remoteIssuer(c *config.Config, td spiffeid.TrustDomain, credDir string, log zerolog.Logger) (*identity.RemoteIssuer, error) {
+	cred, err := identity.OpenNodeCredential(credDir)
+	if err != nil {
+		return nil, fmt.Errorf("%w (make one with `meshtun ca issue-node`)", err)
+	}
+	roots, err := cred.Roots()
+	if err != nil {
+		return nil, err
+	}
+	return identity.DialCA(identity.RemoteConfig{
+		Address: c.CA.Address, TrustDomain: td, Bundle: identity.NewTrustBundle(td, roots),
+		Credential: cred.Get, TTL: c.CA.SVIDTTL, Logger: log,
+	})
 }

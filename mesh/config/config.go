@@ -41,13 +41,17 @@ const (
 	DefaultRootNamespace = registry.DefaultRootNamespace
 	DefaultClusterDomain = registry.DefaultDomainSuffix
 	DefaultCADir         = "/var/lib/meshtun/ca"
-	DefaultTUNName       = "meshtun0"
-	DefaultMTU           = 1500
-	DefaultAdmin         = "127.0.0.1:15000"
-	DefaultMetrics       = ":15020"
-	DefaultReadiness     = ":15021"
-	DefaultNamespace     = "default"
-	DefaultSA            = "default"
+	DefaultCAListen      = ":15012"
+	// DefaultNodeCredentialTTL is the lifetime of a node credential: a
+	// revoked one that is not on the deny list stops working after it.
+	DefaultNodeCredentialTTL = 7 * 24 * time.Hour
+	DefaultTUNName           = "meshtun0"
+	DefaultMTU               = 1500
+	DefaultAdmin             = "127.0.0.1:15000"
+	DefaultMetrics           = ":15020"
+	DefaultReadiness         = ":15021"
+	DefaultNamespace         = "default"
+	DefaultSA                = "default"
 )
 
 // Config is a parsed and validated config file. Load fills in defaults;
@@ -106,13 +110,28 @@ func readFile(path string) ([]byte, error) {
 	return data, nil
 }
 
-// CAConfig is the built-in certificate authority.
+// CAConfig is the certificate service (`meshtun ca`, see docs/identity.md)
+// and how nodes reach it.
 type CAConfig struct {
-	// Dir holds the CA root key and certificate (created on first use).
+	// Dir holds the CA root key and certificate (created on first use). Only
+	// `meshtun ca` reads it, and nodes with InsecureSharedDir.
 	Dir string `yaml:"dir"`
 	// SVIDTTL is the lifetime of issued workload certificates; zero means
-	// the CA's default (24h).
+	// the CA's default (identity.DefaultSVIDTTL).
 	SVIDTTL time.Duration `yaml:"svidTTL"`
+	// Address is host:port of `meshtun ca` for the nodes.
+	Address string `yaml:"address"`
+	// Listen is where `meshtun ca` listens; DefaultCAListen if empty.
+	Listen string `yaml:"listen"`
+	// NodeCredentialTTL is the lifetime of node credentials made by
+	// `meshtun ca issue-node`; DefaultNodeCredentialTTL if zero.
+	NodeCredentialTTL time.Duration `yaml:"nodeCredentialTTL"`
+	// RevokedNodeCredentials are serial numbers (hexadecimal) of node
+	// credentials `meshtun ca` refuses.
+	RevokedNodeCredentials []string `yaml:"revokedNodeCredentials"`
+	// InsecureSharedDir makes every node open Dir and issue its own
+	// certificates with the root key (the old mode): development only.
+	InsecureSharedDir bool `yaml:"insecureSharedDir"`
 }
 
 // NodeConfig is one node that runs a meshtun proxy.

@@ -3,6 +3,7 @@ package config
 import (
 	"errors"
 	"fmt"
+	"math/big"
 	"net"
 	"net/netip"
 	"path/filepath"
@@ -111,6 +112,17 @@ func (c *Config) validate(d *decoder) {
 		c.CA.Dir = DefaultCADir
 	} else if !filepath.IsAbs(c.CA.Dir) {
 		c.CA.Dir = filepath.Join(filepath.Dir(c.Path), c.CA.Dir)
+	}
+	if c.CA.Listen == "" {
+		c.CA.Listen = DefaultCAListen
+	}
+	if c.CA.NodeCredentialTTL == 0 {
+		c.CA.NodeCredentialTTL = DefaultNodeCredentialTTL
+	}
+	for i, s := range c.CA.RevokedNodeCredentials {
+		if _, ok := new(big.Int).SetString(strings.ReplaceAll(strings.TrimPrefix(s, "0x"), ":", ""), 16); !ok {
+			d.errorf(fmt.Sprintf("ca.revokedNodeCredentials[%d]", i), "%q is not a hexadecimal serial number", s)
+		}
 	}
 
 	nodes := c.validateNodes(d)

@@ -35,7 +35,7 @@ const (
 
 // Defaults used when the corresponding CAConfig field is zero.
 const (
-	DefaultSVIDTTL = 24 * time.Hour
+	DefaultSVIDTTL = 4 * time.Hour
 	DefaultRootTTL = 10 * 365 * 24 * time.Hour
 )
 

@@ -113,6 +113,9 @@ func DialCA(cfg RemoteConfig) (*RemoteIssuer, error) {
 	return &RemoteIssuer{cfg: cfg, conn: conn, client: pb.NewIstioCertificateServiceClient(conn)}, nil
 }
 
+// Bundle returns the trust bundle the issuer keeps current.
+func (r *RemoteIssuer) Bundle() *TrustBundle { return r.cfg.Bundle }
+
 // Close closes the connection to the service.
 func (r *RemoteIssuer) Close() error { return r.conn.Close() }
 

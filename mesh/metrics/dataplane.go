@@ -41,6 +41,12 @@ type DataPlaneStats struct {
 
 	// CertExpiry is the expiry of each local identity's certificate.
 	CertExpiry map[string]time.Time
+	// CertRenewals and CertRenewalFailures count renewal attempts that
+	// succeeded and failed; CertsFailing is the number of identities whose
+	// renewal is failing now (the certificate service is unreachable or
+	// refuses), CertsValid those holding an unexpired certificate.
+	CertRenewals, CertRenewalFailures uint64
+	CertsFailing, CertsValid          int
 }
 
 // DataPlane collects DataPlaneStats from read at every scrape.
@@ -69,11 +75,16 @@ var (
 	descSrvConns  = prometheus.NewDesc("meshtun_hbone_server_connections", "Inbound HBONE connections being served.", nil, nil)
 	descInbound   = prometheus.NewDesc("meshtun_hbone_inbound_connections_total", "Inbound HBONE connections accepted, by the socket that terminated them (kernel, netstack).", []string{"socket"}, nil)
 	descExpiry    = prometheus.NewDesc("meshtun_certificate_expiry_seconds", "Expiry of each local identity's certificate, in Unix seconds.", []string{"identity"}, nil)
+	descRenewals  = prometheus.NewDesc("meshtun_certificate_renewals_total", "Certificate renewals that succeeded.", nil, nil)
+	descRenewFail = prometheus.NewDesc("meshtun_certificate_renewal_failures_total", "Certificate renewal attempts that failed (certificate service unreachable or refusing).", nil, nil)
+	descFailing   = prometheus.NewDesc("meshtun_certificates_renewal_failing", "Local identities whose certificate renewal is failing now; they keep serving with their current certificate until it expires.", nil, nil)
+	descValid     = prometheus.NewDesc("meshtun_certificates_valid", "Local identities holding an unexpired certificate.", nil, nil)
 )
 
 func (d *dataPlane) Describe(ch chan<- *prometheus.Desc) {
 	for _, desc := range []*prometheus.Desc{descPackets, descBytes, descDrops, descPktDrops, descOutbound, descFlows, descInserted, descExpired,
-		descHalfOpen, descUnknown, descRetrans, descFwdDrops, descWriteErrs, descPoolConns, descPoolStrms, descSrvConns, descInbound, descExpiry} {
+		descHalfOpen, descUnknown, descRetrans, descFwdDrops, descWriteErrs, descPoolConns, descPoolStrms, descSrvConns, descInbound, descExpiry,
+		descRenewals, descRenewFail, descFailing, descValid} {
 		ch <- desc
 	}
 }
@@ -116,4 +127,8 @@ func (d *dataPlane) Collect(ch chan<- prometheus.Metric) {
 	for id, t := range s.CertExpiry {
 		gauge(descExpiry, float64(t.Unix()), id)
 	}
+	counter(descRenewals, s.CertRenewals)
+	counter(descRenewFail, s.CertRenewalFailures)
+	gauge(descFailing, float64(s.CertsFailing))
+	gauge(descValid, float64(s.CertsValid))
 }

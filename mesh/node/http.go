@@ -62,7 +62,10 @@ func (n *node) serveHTTP(ctx context.Context) (stop func(), err error) {
 
 // readiness answers /healthz/ready: 200 once the TUN is up, routing
 // installed, the registry loaded and the local certificates issued; 503
-// before that and while draining.
+// before that, while draining, and when no local workload holds a valid
+// certificate any more (renewals failed until every one expired). Failing
+// renewals alone do not make the node unready: it keeps serving with the
+// certificates it has (see the meshtun_certificates_* metrics).
 func (n *node) readiness(w http.ResponseWriter, r *http.Request) {
 	if r.URL.Path != "/healthz/ready" {
 		http.NotFound(w, r)
@@ -70,6 +73,10 @@ func (n *node) readiness(w http.ResponseWriter, r *http.Request) {
 	}
 	if !n.ready.Load() {
 		http.Error(w, "not ready", http.StatusServiceUnavailable)
+		return
+	}
+	if st := n.svids.Stats(); st.Total > 0 && st.Valid == 0 {
+		http.Error(w, fmt.Sprintf("not ready: none of the %d local workloads holds a valid certificate (%d renewals failing)", st.Total, st.Failing), http.StatusServiceUnavailable)
 		return
 	}
 	w.Write([]byte("ready\n"))

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/rs/zerolog"
+	"github.com/spiffe/go-spiffe/v2/bundle/x509bundle"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 
 	"github.com/meshtun/meshtun/mesh/config"
@@ -39,8 +40,15 @@ type Config struct {
 	CaptureLinks []tun.CaptureLink
 	// Mesh is the initial model of the mesh.
 	Mesh *registry.Snapshot
-	// CA is the built-in certificate authority that issues the local
-	// workloads' SVIDs. Its TrustDomain must be Mesh's.
+	// Issuer issues the local workloads' SVIDs (a RemoteIssuer: the keys
+	// stay on the node, the root key does not come here) and Bundle holds
+	// the roots peers are verified against. If Issuer is nil, the node
+	// opens the built-in CA of CA.Dir itself: development only, since every
+	// node then holds the root key and can mint any identity.
+	Issuer identity.Issuer
+	Bundle x509bundle.Source
+	// CA is the built-in certificate authority, used only if Issuer is nil.
+	// Its TrustDomain must be Mesh's.
 	CA identity.CAConfig
 	// ConfigPath, if set, is watched: a valid change replaces the mesh
 	// model (workloads, services, policies) without dropping established
@@ -123,14 +131,19 @@ func Run(ctx context.Context, cfg Config) (err error) {
 
 	// Identities next: nothing is captured before the local workloads
 	// have their certificates.
-	cfg.CA.TrustDomain = cfg.Mesh.TrustDomain
-	cfg.CA.Logger = log
-	ca, err := identity.OpenCA(cfg.CA)
-	if err != nil {
-		return err
+	issuer, bundle := cfg.Issuer, cfg.Bundle
+	if issuer == nil {
+		cfg.CA.TrustDomain = cfg.Mesh.TrustDomain
+		cfg.CA.Logger = log
+		log.Warn().Str("ca_dir", cfg.CA.Dir).Msg("INSECURE (development only): this node holds the CA root key and issues its own certificates; a compromised node can mint any identity of the trust domain. Use `meshtun ca` (ca.address) instead.")
+		ca, err := identity.OpenCA(cfg.CA)
+		if err != nil {
+			return err
+		}
+		issuer, bundle = ca, ca.Bundle()
 	}
 	n.svids, err = identity.NewSource(identity.SourceConfig{
-		Issuer: ca, Bundle: ca.Bundle(), TrustDomain: cfg.Mesh.TrustDomain, Logger: log,
+		Issuer: issuer, Bundle: bundle, TrustDomain: cfg.Mesh.TrustDomain, Logger: log,
 	})
 	if err != nil {
 		return err
@@ -381,6 +394,8 @@ func (n *node) dataPlaneStats() metrics.DataPlaneStats {
 			d.CertExpiry[id.String()] = t
 		}
 	}
+	is := n.svids.Stats()
+	d.CertRenewals, d.CertRenewalFailures, d.CertsFailing, d.CertsValid = is.Renewals, is.RenewalFailures, is.Failing, is.Valid
 	return d
 }
 

@@ -11,6 +11,8 @@
 //	pod j netns:   eth0 198.18.i.(10+j)/32  fd00:6d74:i::(10+j)/128
 //	               default via 198.18.i.1 / fd00:6d74:i::1 dev eth0 onlink
 //	external:      eth0 198.18.0.100/24 fd00:6d74::100/64, pod ranges via nodes
+//	control:       eth0 198.18.0.101/24 fd00:6d74::101/64 (Spec.Control; no
+//	               route to pods: it serves the nodes, e.g. `meshtun ca`)
 //
 // IPv6 groups are written with the same decimal digits as the IPv4 octets
 // (node 1's pod 2 is 198.18.1.12 and fd00:6d74:1::12). Nothing connects the
@@ -56,6 +58,9 @@ type Spec struct {
 	PodsPerNode int
 	// NoExternal leaves out the external host.
 	NoExternal bool
+	// Control adds the control-plane host, a namespace on the fabric that
+	// reaches the nodes' uplinks only (for `meshtun ca`).
+	Control bool
 	// Log receives progress messages; the zero value discards them.
 	Log zerolog.Logger
 }
@@ -70,6 +75,8 @@ type Cluster struct {
 	Nodes []*Node
 	// External is the host outside the cluster, nil with Spec.NoExternal.
 	External *Host
+	// Control is the control-plane host, nil without Spec.Control.
+	Control *Host
 
 	log     zerolog.Logger
 	procs   *procTable
@@ -255,6 +262,13 @@ func (c *Cluster) build(ctx context.Context, spec Spec) error {
 		}
 		c.External = &Host{NS: ns, Uplink: linkName, IPv4: addr4(0, 100), IPv6: addr6(0, 100)}
 	}
+	if spec.Control {
+		ns, err := c.newNS("ctl")
+		if err != nil {
+			return err
+		}
+		c.Control = &Host{NS: ns, Uplink: linkName, IPv4: addr4(0, 101), IPv6: addr6(0, 101)}
+	}
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -289,8 +303,11 @@ func (c *Cluster) build(ctx context.Context, spec Spec) error {
 			}
 		}
 	}
-	if c.External != nil {
-		if err := c.External.setSysctls(quiet...); err != nil {
+	for _, h := range []*Host{c.External, c.Control} {
+		if h == nil {
+			continue
+		}
+		if err := h.setSysctls(quiet...); err != nil {
 			return err
 		}
 	}
@@ -328,6 +345,9 @@ func (c *Cluster) settle(ctx context.Context, b *builder) error {
 			todo = append(todo, p.NS)
 		}
 	}
+	if c.Control != nil {
+		todo = append(todo, c.Control.NS)
+	}
 	if c.External != nil {
 		todo = append(todo, c.External.NS)
 	}
@@ -363,6 +383,9 @@ func (c *Cluster) wire(ctx context.Context, b *builder) error {
 	}
 	if c.External != nil {
 		all = append(all, c.External.NS)
+	}
+	if c.Control != nil {
+		all = append(all, c.Control.NS)
 	}
 	for _, ns := range all {
 		if err := b.up(ns, "lo"); err != nil {
@@ -429,6 +452,12 @@ func (c *Cluster) wire(ctx context.Context, b *builder) error {
 	if c.External != nil {
 		h := c.External
 		if err := uplink(h.NS, "ext", h.IPv4, h.IPv6); err != nil {
+			return err
+		}
+	}
+	if c.Control != nil {
+		h := c.Control
+		if err := uplink(h.NS, "ctl", h.IPv4, h.IPv6); err != nil {
 			return err
 		}
 	}

@@ -51,7 +51,7 @@ type meshCluster struct {
 }
 
 func newMeshCluster(t testing.TB, name string) *meshCluster {
-	c := cluster.NewT(t, cluster.Spec{Name: name, Nodes: 2, PodsPerNode: 3})
+	c := cluster.NewT(t, cluster.Spec{Name: name, Nodes: 2, PodsPerNode: 3, Control: true})
 	mc := &meshCluster{
 		c: c, n1: c.Nodes[0], n2: c.Nodes[1],
 		p11: c.Nodes[0].Pods[0], p12: c.Nodes[0].Pods[1], p13: c.Nodes[0].Pods[2],

@@ -64,15 +64,49 @@ func startMeshNode(t testing.TB, c *cluster.Cluster, n *cluster.Node, outside, s
 }
 
 // writeConfig writes the config of cluster c with mesh m into the
-// cluster's directory and returns its path.
+// cluster's directory and returns its path. The first time, it starts
+// `meshtun ca` on the cluster's control host with that file; the service
+// follows later versions of it.
 func writeConfig(t testing.TB, c *cluster.Cluster, m noderun.Mesh) string {
 	t.Helper()
 	path, err := noderun.WriteConfig(c, clusterDir(t, c), m)
 	if err != nil {
 		t.Fatal(err)
 	}
+	if !m.InsecureSharedCA {
+		startCA(t, c, path)
+	}
 	return path
 }
+
+// caProcs holds the certificate service of each cluster (*cluster.Cluster
+// → *noderun.Process); the cluster stops it when it closes.
+var caProcs sync.Map
+
+// startCA starts `meshtun ca` for c unless it runs already, and returns it.
+func startCA(t testing.TB, c *cluster.Cluster, path string) *noderun.Process {
+	t.Helper()
+	if p, ok := caProcs.Load(c); ok {
+		return p.(*noderun.Process)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	p, err := noderun.StartCA(ctx, meshtunBin, c, path, "--log-level", "debug")
+	if err != nil {
+		t.Fatal(err)
+	}
+	caProcs.Store(c, p)
+	clusterOf.Store(path, c)
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("meshtun ca log:\n%s", p.Logs())
+		}
+	})
+	return p
+}
+
+// clusterOf maps a config path to its cluster, for startWithConfig.
+var clusterOf sync.Map
 
 // startWithConfig starts meshtun in n's namespace with the config file at
 // path and waits until it reports ready. It is stopped at the end of the
@@ -82,6 +116,15 @@ func startWithConfig(t testing.TB, n *cluster.Node, path string, extra ...string
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	args := append([]string{"--config", path, "--log-level", "debug"}, extra...)
+	if _, ok := clusterOf.Load(path); ok {
+		cred := noderun.CredentialDir(path, n)
+		if _, err := os.Stat(cred); err != nil {
+			if cred, err = noderun.IssueNodeCredential(ctx, meshtunBin, path, n); err != nil {
+				t.Fatal(err)
+			}
+		}
+		args = append(args, "--credentials", cred)
+	}
 	p, err := noderun.Start(ctx, meshtunBin, n, args...)
 	if err != nil {
 		t.Fatal(err)
@@ -107,7 +150,7 @@ func clusterDir(t testing.TB, c *cluster.Cluster) string {
 	return d
 }
 
-// caDir returns the CA directory shared by the nodes of c.
+// caDir returns the CA directory of c's certificate service.
 func caDir(t testing.TB, c *cluster.Cluster) string {
 	return filepath.Join(clusterDir(t, c), "ca")
 }

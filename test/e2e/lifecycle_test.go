@@ -19,7 +19,7 @@ import (
 // captured from then on (its connections travel through HBONE), and a pod
 // removed is released, without restarting the node.
 func TestPodJoinsAndLeaves(t *testing.T) {
-	c := cluster.NewT(t, cluster.Spec{Name: "life", Nodes: 2, PodsPerNode: 2, NoExternal: true})
+	c := cluster.NewT(t, cluster.Spec{Name: "life", Nodes: 2, PodsPerNode: 2, NoExternal: true, Control: true})
 	n1, n2 := c.Nodes[0], c.Nodes[1]
 	pod, srv := n1.Pods[1], n2.Pods[0]
 	outside := noderun.Mesh{Pods: map[string]noderun.Pod{pod.ID: {Outside: true}}}

@@ -85,7 +85,7 @@ func value(fams map[string]*dto.MetricFamily, name string, want map[string]strin
 // TestOperations covers what an operator relies on: metrics that match the
 // traffic, readiness, the drain on SIGTERM, and a restart after SIGKILL.
 func TestOperations(t *testing.T) {
-	c := cluster.NewT(t, cluster.Spec{Name: "ops", Nodes: 2, PodsPerNode: 1, NoExternal: true})
+	c := cluster.NewT(t, cluster.Spec{Name: "ops", Nodes: 2, PodsPerNode: 1, NoExternal: true, Control: true})
 	n1, n2 := c.Nodes[0], c.Nodes[1]
 	p11, p21 := n1.Pods[0], n2.Pods[0]
 	cfg := writeConfig(t, c, noderun.Mesh{Extra: `authorizationPolicies:

@@ -52,7 +52,7 @@ authorizationPolicies:
 // DENY on a port, an IP block with an exception, and a live config change
 // that cuts an open connection.
 func TestPolicy(t *testing.T) {
-	c := cluster.NewT(t, cluster.Spec{Name: "pol", Nodes: 2, PodsPerNode: 3, NoExternal: true})
+	c := cluster.NewT(t, cluster.Spec{Name: "pol", Nodes: 2, PodsPerNode: 3, NoExternal: true, Control: true})
 	n1, n2 := c.Nodes[0], c.Nodes[1]
 	client, echoA, intruder := n1.Pods[0], n1.Pods[1], n1.Pods[2]
 	echoB, db := n2.Pods[0], n2.Pods[1]

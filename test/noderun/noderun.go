@@ -10,7 +10,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"sort"
 	"strings"
@@ -31,9 +33,12 @@ func (l Line) Str(k string) string { s, _ := l[k].(string); return s }
 // Num returns field k as a number (0 if absent or not a number).
 func (l Line) Num(k string) float64 { f, _ := l[k].(float64); return f }
 
-// Process is a running `meshtun node`.
+// Process is a running `meshtun node` (or `meshtun ca serve`).
 type Process struct {
+	// Node is the node the process runs on; nil for the certificate
+	// service, which runs on the cluster's control host.
 	Node *cluster.Node
+	ns   *cluster.NS
 	proc *cluster.Proc
 	done chan struct{}
 	err  error // valid after done
@@ -73,15 +78,37 @@ type Mesh struct {
 	// Extra is YAML appended to the file: services, authorization
 	// policies.
 	Extra string
+	// InsecureSharedCA has every node hold the CA root key
+	// (ca.insecureSharedDir), for runs that measure the data path only.
+	// Otherwise the nodes get their certificates from `meshtun ca` on the
+	// cluster's control host (StartCA), which the cluster must have.
+	InsecureSharedCA bool
+	// SVIDTTL is ca.svidTTL; the default if zero.
+	SVIDTTL time.Duration
+	// CAExtra is YAML appended inside the ca mapping (as ", key: value").
+	CAExtra string
 }
 
 // WriteConfig writes the config file of cluster c and mesh m to
-// dir/mesh.yaml, with the built-in CA in dir/ca, and returns its path.
+// dir/mesh.yaml, with the CA directory dir/ca, and returns its path.
 // Every node has a TUN meshtun0, uplink eth0 and the admin server on
 // 127.0.0.1:15000 of its own namespace.
 func WriteConfig(c *cluster.Cluster, dir string, m Mesh) (string, error) {
 	var b strings.Builder
-	fmt.Fprintf(&b, "# Generated for cluster %s.\ntrustDomain: cluster.local\nca: {dir: %q}\nnodes:\n", c.Name, filepath.Join(dir, "ca"))
+	fmt.Fprintf(&b, "# Generated for cluster %s.\ntrustDomain: cluster.local\nca: {dir: %q", c.Name, filepath.Join(dir, "ca"))
+	switch {
+	case m.InsecureSharedCA:
+		b.WriteString(", insecureSharedDir: true")
+	case c.Control == nil:
+		return "", errors.New("noderun: the cluster has no control host for meshtun ca (cluster.Spec.Control), and the mesh does not ask for InsecureSharedCA")
+	default:
+		fmt.Fprintf(&b, ", address: %q, listen: %q", CAAddr(c), CAAddr(c))
+	}
+	if m.SVIDTTL > 0 {
+		fmt.Fprintf(&b, ", svidTTL: %s", m.SVIDTTL)
+	}
+	b.WriteString(m.CAExtra)
+	b.WriteString("}\nnodes:\n")
 	for _, n := range c.Nodes {
 		fmt.Fprintf(&b, "  - {name: %s, tun: {name: meshtun0, mtu: 1500}, uplinks: [%s], listen: {admin: \"127.0.0.1:15000\"}}\n", NodeName(n), n.Uplink)
 	}
@@ -144,23 +171,69 @@ func WriteConfig(c *cluster.Cluster, dir string, m Mesh) (string, error) {
 // cluster stops the process on Close if it is still running.
 func Start(ctx context.Context, bin string, n *cluster.Node, extra ...string) (*Process, error) {
 	args := append(append([]string{"node"}, Args(n)...), extra...)
-	cmd := n.Command(context.WithoutCancel(ctx), bin, args...)
+	p, err := start(ctx, n.NS, bin, args, node.ReadyMessage)
+	if p != nil {
+		p.Node = n
+	}
+	return p, err
+}
+
+// CAReadyMessage is the log line of `meshtun ca serve` once it serves
+// (caserver.ReadyMessage).
+const CAReadyMessage = "certificate service ready"
+
+// StartCA runs `bin ca serve --config cfgPath <extra>` on c's control host
+// and waits until it serves.
+func StartCA(ctx context.Context, bin string, c *cluster.Cluster, cfgPath string, extra ...string) (*Process, error) {
+	if c.Control == nil {
+		return nil, errors.New("noderun: the cluster has no control host (cluster.Spec.Control) for meshtun ca")
+	}
+	args := append([]string{"ca", "serve", "--config", cfgPath}, extra...)
+	return start(ctx, c.Control.NS, bin, args, CAReadyMessage)
+}
+
+func start(ctx context.Context, ns *cluster.NS, bin string, args []string, ready string) (*Process, error) {
+	cmd := ns.Command(context.WithoutCancel(ctx), bin, args...)
 	stderr, err := cmd.StderrPipe()
 	if err != nil {
-		return nil, fmt.Errorf("noderun: %s: %w", n.Name(), err)
+		return nil, fmt.Errorf("noderun: %s: %w", ns.Name(), err)
 	}
-	p := &Process{Node: n, done: make(chan struct{}), changed: make(chan struct{})}
-	proc, err := n.Start(cmd)
+	p := &Process{ns: ns, done: make(chan struct{}), changed: make(chan struct{})}
+	proc, err := ns.Start(cmd)
 	if err != nil {
-		return nil, fmt.Errorf("noderun: start meshtun in %s: %w", n.Name(), err)
+		return nil, fmt.Errorf("noderun: start meshtun in %s: %w", ns.Name(), err)
 	}
 	p.proc = proc
 	go p.readLogs(stderr)
-	if _, err := p.WaitLog(ctx, func(l Line) bool { return l.Str("message") == node.ReadyMessage }); err != nil {
+	if _, err := p.WaitLog(ctx, func(l Line) bool { return l.Str("message") == ready }); err != nil {
 		p.Stop(syscall.SIGKILL)
-		return nil, fmt.Errorf("noderun: meshtun in %s did not become ready: %w\nlogs:\n%s", n.Name(), err, p.Logs())
+		return nil, fmt.Errorf("noderun: meshtun in %s did not become ready: %w\nlogs:\n%s", ns.Name(), err, p.Logs())
 	}
 	return p, nil
+}
+
+// CAAddr is where `meshtun ca` listens on the control host of c.
+func CAAddr(c *cluster.Cluster) string {
+	return netip.AddrPortFrom(c.Control.IPv4, 15012).String()
+}
+
+// CredentialDir is where IssueNodeCredential puts node n's credential for
+// the config file at cfgPath.
+func CredentialDir(cfgPath string, n *cluster.Node) string {
+	return filepath.Join(filepath.Dir(cfgPath), "nodes", NodeName(n))
+}
+
+// IssueNodeCredential runs `bin ca issue-node` for node n (an operator's
+// command: no network, it reads the CA directory) and returns the
+// credential directory.
+func IssueNodeCredential(ctx context.Context, bin, cfgPath string, n *cluster.Node, extra ...string) (string, error) {
+	dir := CredentialDir(cfgPath, n)
+	args := append([]string{"ca", "issue-node", "--config", cfgPath, "--node", NodeName(n), "--out", dir}, extra...)
+	out, err := exec.CommandContext(ctx, bin, args...).CombinedOutput()
+	if err != nil {
+		return "", fmt.Errorf("noderun: meshtun ca issue-node for %s: %w\n%s", NodeName(n), err, out)
+	}
+	return dir, nil
 }
 
 func (p *Process) readLogs(r io.Reader) {
@@ -267,7 +340,7 @@ func (p *Process) Stop(sig syscall.Signal) error {
 	case <-time.After(15 * time.Second):
 		p.proc.Cmd.Process.Kill()
 		<-p.done
-		return fmt.Errorf("noderun: meshtun in %s did not exit within 15s of %v", p.Node.Name(), sig)
+		return fmt.Errorf("noderun: meshtun in %s did not exit within 15s of %v", p.ns.Name(), sig)
 	}
 	return p.err
 }

@@ -13,7 +13,9 @@ import (
 )
 
 // rawClient sends hand-made requests.
-type rawClient struct{ c pb.IstioCertificateServiceClient }
+type rawClient struct {
+	c pb.IstioCertificateServiceClient
+}
 
 func dialRaw(f *fixture, cred *identity.NodeCredential) (*rawClient, error) {
 	tc := &tls.Config{MinVersion: tls.VersionTLS13, InsecureSkipVerify: true,
@@ -36,4 +38,3 @@ func (r *rawClient) create(csr, impersonate string) ([]string, error) {
 	}
 	return resp.GetCertChain(), nil
 }
-

@@ -42,6 +42,10 @@ import (
 // DefaultPort is the port of the service (istiod serves its CA there too).
 const DefaultPort = 15012
 
+// ReadyMessage is the log message `meshtun ca serve` writes once it
+// accepts requests.
+const ReadyMessage = "certificate service ready"
+
 // RefusedMessage is the log message of every refused request.
 const RefusedMessage = "certificate request refused"
 

@@ -287,4 +287,3 @@ func TestResponseCarriesRotationBundle(t *testing.T) {
 		t.Errorf("after retirement %d roots, want 1", got)
 	}
 }
-

@@ -25,9 +25,6 @@ import (
 	"time"
 
 	"github.com/rs/zerolog"
-	"github.com/spiffe/go-spiffe/v2/spiffeid"
-
-	"github.com/meshtun/meshtun/mesh/identity"
 
 	"github.com/meshtun/meshtun/test/cluster"
 	"github.com/meshtun/meshtun/test/noderun"
@@ -117,6 +114,9 @@ type Demo struct {
 	order     []*Endpoint
 	nodes     []*noderun.Process
 	nodeInfo  []NodeInfo
+	// ca is `meshtun ca` on the cluster's control host; the nodes hold no
+	// CA key, only their node credentials.
+	ca *noderun.Process
 	// configPath is the generated mesh config file.
 	configPath string
 	dir        string
@@ -124,6 +124,7 @@ type Demo struct {
 	closers    []io.Closer
 	logsDone   sync.WaitGroup
 	stopLogs   context.CancelFunc
+	logCtx     context.Context
 
 	closeOnce sync.Once
 	closeErr  error
@@ -149,7 +150,7 @@ func Start(ctx context.Context, opts Options) (d *Demo, err error) {
 		perNode[p.node]++
 		most = max(most, perNode[p.node])
 	}
-	c, err := cluster.New(ctx, cluster.Spec{Name: "demo", Nodes: len(perNode), PodsPerNode: most, Log: d.log})
+	c, err := cluster.New(ctx, cluster.Spec{Name: "demo", Nodes: len(perNode), PodsPerNode: most, Control: true, Log: d.log})
 	if err != nil {
 		return d, fmt.Errorf("demo: build cluster: %w", err)
 	}
@@ -215,27 +216,33 @@ func (d *Demo) startNodes(ctx context.Context) error {
 		return fmt.Errorf("demo: %w", err)
 	}
 	d.configPath = cfgPath
-	// Created here, before the nodes start, the root is there for both.
-	td, err := spiffeid.TrustDomainFromString(trustDomain)
-	if err != nil {
-		return fmt.Errorf("demo: trust domain: %w", err)
+	// The certificate service first, in its own namespace (the cluster's
+	// control host); it creates the root in <dir>/ca. Then one node
+	// credential per node, as an operator would issue them.
+	if d.ca, err = noderun.StartCA(ctx, d.opts.Bin, d.cluster, cfgPath, "--log-level", "info"); err != nil {
+		return fmt.Errorf("demo: start meshtun ca: %w", err)
 	}
-	if _, err := identity.OpenCA(identity.CAConfig{Dir: filepath.Join(d.dir, "ca"), TrustDomain: td, Logger: d.log}); err != nil {
-		return fmt.Errorf("demo: create the CA: %w", err)
+	if err := d.streamLog(ctx, d.ca, "ca.log"); err != nil {
+		return err
+	}
+	creds := map[*cluster.Node]string{}
+	for _, n := range d.cluster.Nodes {
+		if creds[n], err = noderun.IssueNodeCredential(ctx, d.opts.Bin, cfgPath, n); err != nil {
+			return fmt.Errorf("demo: %w", err)
+		}
 	}
 	nodeFlags := []string{"--config", cfgPath, "--log-level", "info"}
-	logCtx, stop := context.WithCancel(context.WithoutCancel(ctx))
-	d.stopLogs = stop
 	procs := make([]*noderun.Process, len(d.cluster.Nodes))
 	errs := make([]error, len(d.cluster.Nodes))
 	var wg sync.WaitGroup
 	for i, n := range d.cluster.Nodes {
+		flags := append(append([]string{}, nodeFlags...), "--credentials", creds[n])
 		d.nodeInfo = append(d.nodeInfo, NodeInfo{
 			Name: noderun.NodeName(n), NetNS: n.Name(), IPv4: n.IPv4.String(),
-			Args: append(append([]string{"node"}, noderun.Args(n)...), nodeFlags...),
+			Args: append(append([]string{"node"}, noderun.Args(n)...), flags...),
 		})
 		wg.Go(func() {
-			procs[i], errs[i] = noderun.Start(ctx, d.opts.Bin, n, nodeFlags...)
+			procs[i], errs[i] = noderun.Start(ctx, d.opts.Bin, n, flags...)
 		})
 	}
 	wg.Wait()
@@ -245,20 +252,32 @@ func (d *Demo) startNodes(ctx context.Context) error {
 		}
 		d.nodes = append(d.nodes, p)
 		d.nodeInfo[i].PID = p.Pid()
-		f, err := os.Create(filepath.Join(d.dir, "node-"+d.nodeInfo[i].Name+".log"))
-		if err != nil {
-			errs = append(errs, fmt.Errorf("demo: node log: %w", err))
-			continue
+		if err := d.streamLog(ctx, p, "node-"+d.nodeInfo[i].Name+".log"); err != nil {
+			errs = append(errs, err)
 		}
-		d.logsDone.Go(func() {
-			defer f.Close()
-			enc := json.NewEncoder(f)
-			// WaitLog hands every line, past and future, to the
-			// predicate; this one writes it out and never matches.
-			p.WaitLog(logCtx, func(l noderun.Line) bool { enc.Encode(l); return false })
-		})
 	}
 	return errors.Join(errs...)
+}
+
+// streamLog writes p's log, past and future lines, to name in the demo's
+// directory until the demo closes.
+func (d *Demo) streamLog(ctx context.Context, p *noderun.Process, name string) error {
+	if d.stopLogs == nil {
+		logCtx, stop := context.WithCancel(context.WithoutCancel(ctx))
+		d.logCtx, d.stopLogs = logCtx, stop
+	}
+	f, err := os.Create(filepath.Join(d.dir, name))
+	if err != nil {
+		return fmt.Errorf("demo: log: %w", err)
+	}
+	d.logsDone.Go(func() {
+		defer f.Close()
+		enc := json.NewEncoder(f)
+		// WaitLog hands every line, past and future, to the
+		// predicate; this one writes it out and never matches.
+		p.WaitLog(d.logCtx, func(l noderun.Line) bool { enc.Encode(l); return false })
+	})
+	return nil
 }
 
 // meshPolicies are the demo's authorization policies: only the client's
@@ -298,10 +317,13 @@ func (d *Demo) writeConfig() error {
 		Cluster     string         `json:"cluster"`
 		TrustDomain string         `json:"trust_domain"`
 		CADir       string         `json:"ca_dir"`
+		CANetNS     string         `json:"ca_netns"`
+		CAAddr      string         `json:"ca_addr"`
 		Fabric      string         `json:"fabric_netns"`
 		Nodes       []NodeInfo     `json:"nodes"`
 		Endpoints   []endpointJSON `json:"endpoints"`
 	}{Cluster: d.cluster.Name, TrustDomain: trustDomain, CADir: filepath.Join(d.dir, "ca"),
+		CANetNS: d.cluster.Control.Name(), CAAddr: noderun.CAAddr(d.cluster),
 		Fabric: d.cluster.Fabric.Name(), Nodes: d.nodeInfo}
 	for _, e := range d.order {
 		node := "-"
@@ -375,6 +397,11 @@ func (d *Demo) Close() error {
 			})
 		}
 		wg.Wait()
+		if d.ca != nil {
+			if err := d.ca.Stop(syscall.SIGTERM); err != nil {
+				d.log.Warn().Err(err).Msg("demo: meshtun ca exit")
+			}
+		}
 		if d.stopLogs != nil {
 			d.stopLogs()
 		}
