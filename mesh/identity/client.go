@@ -10,16 +10,19 @@ import (
 	"encoding/pem"
 	"errors"
 	"fmt"
+	"net"
 	"net/url"
 	"os"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/rs/zerolog"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/protobuf/types/known/structpb"
@@ -59,7 +62,10 @@ type RemoteConfig struct {
 	TTL time.Duration
 	// Timeout bounds one request; 10 s if zero.
 	Timeout time.Duration
-	Logger  zerolog.Logger
+	// Dial, if set, opens the connection to Address (tests dial from inside
+	// a network namespace).
+	Dial   func(ctx context.Context, addr string) (net.Conn, error)
+	Logger zerolog.Logger
 }
 
 // RemoteIssuer is an Issuer that asks a certificate service speaking
@@ -67,7 +73,11 @@ type RemoteConfig struct {
 // key is made here and never leaves the node; the CSR names the identity,
 // which is also sent as ImpersonatedIdentity, as ztunnel does.
 type RemoteIssuer struct {
-	cfg    RemoteConfig
+	cfg  RemoteConfig
+	opts []grpc.DialOption
+	used atomic.Pointer[tls.Certificate] // credential of the last handshake
+
+	mu     sync.Mutex
 	conn   *grpc.ClientConn
 	client pb.IstioCertificateServiceClient
 }
@@ -96,6 +106,7 @@ func DialCA(cfg RemoteConfig) (*RemoteIssuer, error) {
 			return verifyServer(raw, cfg.Bundle, cfg.ServerID)
 		},
 	}
+	r := &RemoteIssuer{cfg: cfg}
 	if cfg.Credential != nil {
 		tc.GetClientCertificate = func(*tls.CertificateRequestInfo) (*tls.Certificate, error) {
 			c, err := cfg.Credential()
@@ -103,21 +114,67 @@ func DialCA(cfg RemoteConfig) (*RemoteIssuer, error) {
 				cfg.Logger.Error().Err(err).Msg("node credential unavailable; asking the certificate service without one")
 				return &tls.Certificate{}, nil
 			}
+			r.used.Store(c)
 			return c, nil
 		}
 	}
-	conn, err := grpc.NewClient("passthrough:///"+cfg.Address, grpc.WithTransportCredentials(credentials.NewTLS(tc)))
-	if err != nil {
-		return nil, fmt.Errorf("identity: certificate service %s: %w", cfg.Address, err)
+	// Reconnect soon after the service comes back: gRPC's default backoff
+	// grows to two minutes, longer than a short-lived SVID's renewal
+	// window; the Source paces the requests themselves.
+	opts := []grpc.DialOption{grpc.WithTransportCredentials(credentials.NewTLS(tc)),
+		grpc.WithConnectParams(grpc.ConnectParams{Backoff: backoff.Config{
+			BaseDelay: 200 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: 3 * time.Second,
+		}, MinConnectTimeout: 5 * time.Second})}
+	if cfg.Dial != nil {
+		opts = append(opts, grpc.WithContextDialer(cfg.Dial))
 	}
-	return &RemoteIssuer{cfg: cfg, conn: conn, client: pb.NewIstioCertificateServiceClient(conn)}, nil
+	r.opts = opts
+	if err := r.connect(); err != nil {
+		return nil, err
+	}
+	return r, nil
+}
+
+func (r *RemoteIssuer) connect() error {
+	conn, err := grpc.NewClient("passthrough:///"+r.cfg.Address, r.opts...)
+	if err != nil {
+		return fmt.Errorf("identity: certificate service %s: %w", r.cfg.Address, err)
+	}
+	r.conn, r.client = conn, pb.NewIstioCertificateServiceClient(conn)
+	return nil
+}
+
+// current returns the client to use. The service authenticates the node
+// credential presented at the TLS handshake: when the credential changed
+// (an operator issued a new one), it reconnects so that the new one is
+// presented.
+func (r *RemoteIssuer) current() pb.IstioCertificateServiceClient {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.cfg.Credential != nil {
+		if used := r.used.Load(); used != nil {
+			if cur, err := r.cfg.Credential(); err == nil && cur != used {
+				r.cfg.Logger.Info().Msg("node credential changed; reconnecting to the certificate service")
+				old := r.conn
+				if err := r.connect(); err == nil {
+					r.used.Store(nil)
+					old.Close()
+				}
+			}
+		}
+	}
+	return r.client
 }
 
 // Bundle returns the trust bundle the issuer keeps current.
 func (r *RemoteIssuer) Bundle() *TrustBundle { return r.cfg.Bundle }
 
 // Close closes the connection to the service.
-func (r *RemoteIssuer) Close() error { return r.conn.Close() }
+func (r *RemoteIssuer) Close() error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.conn.Close()
+}
 
 func verifyServer(raw [][]byte, bundle *TrustBundle, want spiffeid.ID) error {
 	if len(raw) == 0 {
@@ -171,7 +228,7 @@ func (r *RemoteIssuer) Issue(ctx context.Context, id spiffeid.ID) (*x509svid.SVI
 	}
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.Timeout)
 	defer cancel()
-	resp, err := r.client.CreateCertificate(ctx, req)
+	resp, err := r.current().CreateCertificate(ctx, req)
 	if err != nil {
 		return nil, fmt.Errorf("certificate service %s: %w", r.cfg.Address, err)
 	}
