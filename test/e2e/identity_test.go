@@ -349,9 +349,10 @@ const shortTTL = 10 * time.Second
 // report the failing renewals (log, metric), stay ready, and renew once
 // the service is back.
 func TestCAOutage(t *testing.T) {
-	c := cluster.NewT(t, cluster.Spec{Name: "idout", Nodes: 2, PodsPerNode: 1, NoExternal: true, Control: true})
+	c := cluster.NewT(t, cluster.Spec{Name: "idout", Nodes: 2, PodsPerNode: 2, NoExternal: true, Control: true})
 	n1, n2 := c.Nodes[0], c.Nodes[1]
 	p1, p2 := n1.Pods[0], n2.Pods[0]
+	q1, q2 := n1.Pods[1], n2.Pods[1]
 	cfg := writeConfig(t, c, noderun.Mesh{SVIDTTL: shortTTL})
 	ca := startCA(t, c, cfg)
 	m1 := startWithConfig(t, n1, cfg)
@@ -375,9 +376,15 @@ func TestCAOutage(t *testing.T) {
 	if v := value(fams, "meshtun_certificate_renewal_failures_total", nil); v < 1 {
 		t.Errorf("meshtun_certificate_renewal_failures_total = %v during the outage, want ≥ 1", v)
 	}
-	// New connections keep working on the certificates the nodes hold.
+	// New connections keep working on the certificates the nodes hold:
+	// new handshakes (a pair of identities the pool has no connection
+	// for), then streams on them.
 	for port := 7100; time.Since(stopped) < shortTTL*6/10; port++ {
-		if err := pingMesh(t, p1, p2, port); err != nil {
+		from, to := q1, q2
+		if port%2 == 1 {
+			from, to = q2, q1
+		}
+		if err := pingMesh(t, from, to, port); err != nil {
 			t.Fatalf("new connection %s after the CA stopped: %v", time.Since(stopped).Round(time.Millisecond), err)
 		}
 		if code, _ := httpGet(t, n1.NS, "http://127.0.0.1:15021/healthz/ready"); code != 200 {
@@ -399,8 +406,21 @@ func TestCAOutage(t *testing.T) {
 	})
 	waitNodeLog(t, m1, mark1, shortTTL, "SVID renewed after failures")
 	waitNodeLog(t, m2, mark2, shortTTL, "SVID renewed after failures")
+	// Every identity of n1 renewed since the CA came back.
+	for _, p := range n1.Pods {
+		ctx, cancel := context.WithTimeout(context.Background(), shortTTL)
+		_, err := m1.WaitLogSince(ctx, mark1, func(l noderun.Line) bool {
+			return l.Str("identity") == id(p.ID) && (l.Str("message") == "SVID renewed after failures" || l.Str("message") == "renewed SVID")
+		})
+		cancel()
+		if err != nil {
+			t.Fatalf("%s not renewed after the CA came back: %v", p.ID, err)
+		}
+	}
 	t.Logf("CA stopped for %s (SVID lifetime %s); both nodes renewed after it came back", outage.Round(time.Millisecond), shortTTL)
-	if err := pingMesh(t, p1, p2, 7099); err != nil {
+	// A handshake with the renewed certificates: n2p1 → n1p1 is a pair the
+	// pool has not seen (the long transfer goes the other way).
+	if err := pingMesh(t, p2, p1, 7099); err != nil {
 		t.Fatalf("new connection after the renewal: %v", err)
 	}
 	if v := value(scrape(t, n1), "meshtun_certificates_renewal_failing", nil); v != 0 {
@@ -414,7 +434,9 @@ func TestCAOutage(t *testing.T) {
 // during a long mesh transfer: the transfer loses no byte and is not
 // reset, and new connections work after each step.
 func TestRootRotation(t *testing.T) {
-	c := cluster.NewT(t, cluster.Spec{Name: "idrot", Nodes: 2, PodsPerNode: 1, NoExternal: true, Control: true})
+	// One pair of pods per step: HBONE pools connections per (source,
+	// destination) identity, and each step must make new handshakes.
+	c := cluster.NewT(t, cluster.Spec{Name: "idrot", Nodes: 2, PodsPerNode: 4, NoExternal: true, Control: true})
 	n1, n2 := c.Nodes[0], c.Nodes[1]
 	p1, p2 := n1.Pods[0], n2.Pods[0]
 	cfg := writeConfig(t, c, noderun.Mesh{SVIDTTL: shortTTL})
@@ -431,9 +453,9 @@ func TestRootRotation(t *testing.T) {
 			t.Fatalf("meshtun ca root %s: %v\n%s", step, err, out)
 		}
 	}
-	// waitRoots waits until both nodes have been issued a certificate
-	// after the CA reloaded its roots: they then hold its new bundle, and
-	// a certificate from its current signing root.
+	// waitRoots waits until every identity of both nodes has been issued
+	// a certificate after the CA reloaded its roots: the nodes then hold
+	// its new bundle, and certificates from its current signing root.
 	waitRoots := func(step string, mark, roots int) {
 		t.Helper()
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -444,27 +466,29 @@ func TestRootRotation(t *testing.T) {
 			t.Fatalf("after %s: the CA did not reload to %d roots: %v\n%s", step, roots, err, ca.Logs())
 		}
 		mark = ca.Len()
-		for _, node := range []string{"n1", "n2"} {
+		for _, p := range c.Pods() {
 			ctx, cancel := context.WithTimeout(context.Background(), 2*shortTTL)
 			_, err := ca.WaitLogSince(ctx, mark, func(l noderun.Line) bool {
-				return l.Str("message") == "certificate issued" && l.Str("node") == node
+				return l.Str("message") == "certificate issued" && l.Str("identity") == id(p.ID)
 			})
 			cancel()
 			if err != nil {
-				t.Fatalf("after %s: no certificate issued to %s: %v", step, node, err)
+				t.Fatalf("after %s: no certificate issued for %s: %v", step, p.ID, err)
 			}
 		}
 	}
-	port := 7100
+	port, pair := 7100, 0
 	check := func(step string) {
 		t.Helper()
+		pair++
+		a, b := n1.Pods[pair], n2.Pods[pair]
 		port++
-		if err := pingMesh(t, p1, p2, port); err != nil {
-			t.Fatalf("new connection after %s: %v", step, err)
+		if err := pingMesh(t, a, b, port); err != nil {
+			t.Fatalf("new connection %s → %s after %s: %v", a.ID, b.ID, step, err)
 		}
 		port++
-		if err := pingMesh(t, p2, p1, port); err != nil {
-			t.Fatalf("new connection n2→n1 after %s: %v", step, err)
+		if err := pingMesh(t, b, a, port); err != nil {
+			t.Fatalf("new connection %s → %s after %s: %v", b.ID, a.ID, step, err)
 		}
 	}
 
