@@ -160,6 +160,28 @@ func (s *Source) Add(ctx context.Context, id spiffeid.ID) error {
 	return nil
 }
 
+// AddParallel is how many identities AddAll asks for at once.
+const AddParallel = 16
+
+// AddAll adds ids (see Add), up to AddParallel at a time, so that a node
+// with many new workloads waits for a few round trips to the issuer, not
+// one per workload. It returns the errors of those that failed; the others
+// are added.
+func (s *Source) AddAll(ctx context.Context, ids []spiffeid.ID) error {
+	errs := make([]error, len(ids))
+	sem := make(chan struct{}, AddParallel)
+	var wg sync.WaitGroup
+	for i, id := range ids {
+		sem <- struct{}{}
+		wg.Go(func() {
+			defer func() { <-sem }()
+			errs[i] = s.Add(ctx, id)
+		})
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
 // Remove forgets id and stops renewing it. Handshakes that need id's SVID
 // fail from then on; established connections are not touched.
 func (s *Source) Remove(id spiffeid.ID) {

@@ -149,10 +149,12 @@ func Run(ctx context.Context, cfg Config) (err error) {
 		return err
 	}
 	defer n.svids.Close()
-	for _, w := range locals {
-		if err := n.svids.Add(ctx, w.Identity); err != nil {
-			return fmt.Errorf("node: certificate for %s: %w", w, err)
-		}
+	ids := make([]spiffeid.ID, len(locals))
+	for i, w := range locals {
+		ids[i] = w.Identity
+	}
+	if err := n.svids.AddAll(ctx, ids); err != nil {
+		return fmt.Errorf("node: certificates of the local workloads: %w", err)
 	}
 
 	// meshtun's own kernel sockets carry tun.Mark, which routes them
@@ -582,10 +584,12 @@ func (n *node) apply(ctx context.Context, c *config.Config, snap *registry.Snaps
 	locals := localWorkloads(snap, n.cfg.Name)
 	// New identities first, so that a new workload can handshake at once;
 	// old ones go after the model that stops using them is in force.
-	for _, w := range locals {
-		if err := n.svids.Add(ctx, w.Identity); err != nil {
-			n.log.Error().Err(err).Str("workload", w.String()).Msg("certificate for a new local workload")
-		}
+	ids := make([]spiffeid.ID, len(locals))
+	for i, w := range locals {
+		ids[i] = w.Identity
+	}
+	if err := n.svids.AddAll(ctx, ids); err != nil {
+		n.log.Error().Err(err).Msg("certificates for new local workloads")
 	}
 	n.reg.Store(snap)
 	n.hl.sync(locals)

@@ -75,18 +75,27 @@ func newFixture(t *testing.T) *fixture {
 	if err != nil {
 		t.Fatal(err)
 	}
+	f.addr = serveLoopback(t, srv)
+	return f
+}
+
+// serveLoopback serves srv on a loopback port until the test ends.
+func serveLoopback(t testing.TB, srv *Server) string {
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	f.addr = lis.Addr().String()
 	go srv.Serve(lis)
 	t.Cleanup(srv.Stop)
-	return f
+	return lis.Addr().String()
 }
 
 // credential issues a node credential for node, valid for ttl.
 func (f *fixture) credential(t *testing.T, node string, ttl time.Duration) string {
+	return f.credentialTB(t, node, ttl)
+}
+
+func (f *fixture) credentialTB(t testing.TB, node string, ttl time.Duration) string {
 	t.Helper()
 	key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	id, err := identity.NodeID(td, node)
