@@ -137,3 +137,19 @@ func benchClient(b *testing.B, f *fixture, node string) *identity.RemoteIssuer {
 	b.Cleanup(func() { r.Close() })
 	return r
 }
+
+// BenchmarkIssuanceOne is one node asking one request at a time: the
+// latency of an issuance without queueing.
+func BenchmarkIssuanceOne(b *testing.B) {
+	f := benchFixture(b, 1, 1)
+	r := benchClient(b, f, "n1")
+	id := wid("default", "w1-1")
+	if _, err := r.Issue(context.Background(), id); err != nil {
+		b.Fatal(err)
+	}
+	for b.Loop() {
+		if _, err := r.Issue(context.Background(), id); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
