@@ -28,7 +28,7 @@ import (
 //	     addresses to port 7104
 //	n1p3 mesh client
 func TestNodeTrafficIsAuthorized(t *testing.T) {
-	c := cluster.NewT(t, cluster.Spec{Name: "advnode", Nodes: 1, PodsPerNode: 3})
+	c := cluster.NewT(t, cluster.Spec{Name: "advnode", Nodes: 1, PodsPerNode: 3, Control: true})
 	n1 := c.Nodes[0]
 	strict, guarded, client, ext := n1.Pods[0], n1.Pods[1], n1.Pods[2], c.External
 	m := noderun.Mesh{
