@@ -1,0 +1,78 @@
+package node
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
+
+	"github.com/meshtun/meshtun/mesh/identity"
+)
+
+// onceIssuer issues the first certificate and then fails, like a
+// certificate service that went away.
+type onceIssuer struct {
+	ca    *identity.CA
+	calls atomic.Int32
+}
+
+func (o *onceIssuer) Issue(ctx context.Context, id spiffeid.ID) (*x509svid.SVID, error) {
+	if o.calls.Add(1) > 1 {
+		return nil, errors.New("certificate service unreachable")
+	}
+	return o.ca.Issue(ctx, id)
+}
+
+// The node stays ready while renewals fail and its certificates are valid,
+// and turns unready only once no local workload holds a valid one.
+func TestReadinessFollowsValidCertificates(t *testing.T) {
+	td := spiffeid.RequireTrustDomainFromString("cluster.local")
+	ca, err := identity.OpenCA(identity.CAConfig{Dir: t.TempDir(), TrustDomain: td, SVIDTTL: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	src, err := identity.NewSource(identity.SourceConfig{Issuer: &onceIssuer{ca: ca}, Bundle: ca.Bundle(), TrustDomain: td,
+		RetryInterval: 100 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer src.Close()
+	id := spiffeid.RequireFromString("spiffe://cluster.local/ns/default/sa/a")
+	if err := src.Add(context.Background(), id); err != nil {
+		t.Fatal(err)
+	}
+	n := &node{svids: src}
+	n.ready.Store(true)
+	get := func() (int, string) {
+		rec := httptest.NewRecorder()
+		n.readiness(rec, httptest.NewRequest(http.MethodGet, "/healthz/ready", nil))
+		return rec.Code, rec.Body.String()
+	}
+	if code, body := get(); code != http.StatusOK {
+		t.Fatalf("with a valid certificate: %d %s", code, body)
+	}
+	// Renewal fails from half-life on; the certificate is still valid.
+	deadline := time.Now().Add(5 * time.Second)
+	for src.Stats().Failing == 0 && time.Now().Before(deadline) {
+		time.Sleep(20 * time.Millisecond)
+	}
+	if st := src.Stats(); st.Failing != 1 || st.Valid != 1 {
+		t.Fatalf("stats while renewals fail: %+v", st)
+	}
+	if code, body := get(); code != http.StatusOK {
+		t.Fatalf("renewals failing, certificate valid: %d %s, want ready", code, body)
+	}
+	exp, _ := src.Expiry(id)
+	time.Sleep(time.Until(exp) + 50*time.Millisecond)
+	code, body := get()
+	if code != http.StatusServiceUnavailable || !strings.Contains(body, "none of the 1 local workloads holds a valid certificate") {
+		t.Fatalf("every certificate expired: %d %q, want 503 saying why", code, body)
+	}
+}
