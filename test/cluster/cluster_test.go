@@ -675,3 +675,30 @@ func TestPidOf(t *testing.T) {
 		}
 	}
 }
+
+// TestControlHost: Spec.Control adds a host on the fabric that reaches the
+// nodes' uplinks (for `meshtun ca`) and, having no route to them, not the
+// pods.
+func TestControlHost(t *testing.T) {
+	c := NewT(t, Spec{Name: "ctl", Nodes: 1, PodsPerNode: 1, NoExternal: true, Control: true})
+	if c.Control == nil || c.Control.IPv4.String() != "198.18.0.101" || c.Control.IPv6.String() != "fd00:6d74::101" {
+		t.Fatalf("control host %+v, want 198.18.0.101 and fd00:6d74::101", c.Control)
+	}
+	if got := len(c.Namespaces()); got != 1+1+1+1 {
+		t.Errorf("got %d namespaces, want 4 (fabric, node, pod, control)", got)
+	}
+	n := c.Nodes[0]
+	if got := echo(t, n.NS, c.Control.NS, c.Control.IPv4); got != n.IPv4 {
+		t.Errorf("control host saw the node as %s, want %s", got, n.IPv4)
+	}
+	echo(t, n.NS, c.Control.NS, c.Control.IPv6)
+	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Second)
+	defer cancel()
+	if conn, err := c.Control.Dial(ctx, "tcp", netip.AddrPortFrom(n.Pods[0].IPv4, 80).String()); err == nil {
+		conn.Close()
+		t.Errorf("the control host reached a pod")
+	}
+	if c2 := NewT(t, Spec{Name: "noctl", Nodes: 1, NoExternal: true}); c2.Control != nil {
+		t.Errorf("a cluster without Spec.Control has a control host")
+	}
+}
