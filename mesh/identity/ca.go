@@ -138,7 +138,7 @@ func OpenCA(cfg CAConfig) (*CA, error) {
 		}
 		cfg.Logger.Info().Str("dir", cfg.Dir).Str("trust_domain", ca.td.String()).
 			Time("not_after", ca.root.NotAfter).Msg("created CA root")
-		return ca, ca.loadTrusted()
+		return ca.withTrusted()
 	}
 	if ca.key, err = readKey(keyPath); err != nil {
 		return nil, err
@@ -149,14 +149,23 @@ func OpenCA(cfg CAConfig) (*CA, error) {
 		}
 		cfg.Logger.Warn().Str("dir", cfg.Dir).Str("cert", certPath).
 			Msg("CA root key had no certificate; created a new self-signed certificate for it")
-		return ca, ca.loadTrusted()
+		return ca.withTrusted()
 	}
 	if ca.root, err = ca.readRoot(certPath, keyPath); err != nil {
 		return nil, err
 	}
 	cfg.Logger.Info().Str("dir", cfg.Dir).Str("trust_domain", ca.td.String()).
 		Time("not_after", ca.root.NotAfter).Msg("loaded CA root")
-	return ca, ca.loadTrusted()
+	return ca.withTrusted()
+}
+
+// withTrusted loads the rotation roots of the CA's directory and returns
+// the CA.
+func (ca *CA) withTrusted() (*CA, error) {
+	if err := ca.loadTrusted(); err != nil {
+		return nil, err
+	}
+	return ca, nil
 }
 
 // TrustDomain returns the trust domain the CA issues for.

@@ -36,12 +36,11 @@ const (
 
 // loadTrusted sets ca.trusted from the signing root and the rotation files.
 func (ca *CA) loadTrusted() error {
-	trusted := []*x509.Certificate{ca.root}
-	if next, err := readCerts(filepath.Join(ca.dir, NextRootCertFile)); err != nil {
+	next, err := readCerts(filepath.Join(ca.dir, NextRootCertFile))
+	if err != nil {
 		return err
-	} else {
-		trusted = append(trusted, next...)
 	}
+	trusted := append([]*x509.Certificate{ca.root}, next...)
 	prev, err := readCerts(filepath.Join(ca.dir, PreviousRootsFile))
 	if err != nil {
 		return err

@@ -251,19 +251,14 @@ func pemCert(c *x509.Certificate) string {
 }
 
 func (s *Server) authenticate(ctx context.Context) (Caller, error) {
-	var errs []error
 	for _, a := range s.cfg.Authenticators {
 		c, err := a.Authenticate(ctx)
 		if errors.Is(err, ErrNoCredential) {
 			continue
 		}
-		if err != nil {
-			return Caller{}, err
-		}
-		return c, nil
+		return c, err
 	}
-	errs = append(errs, errors.New("no credential: neither a node certificate nor a bearer token"))
-	return Caller{}, errors.Join(errs...)
+	return Caller{}, errors.New("no credential: neither a node certificate nor a bearer token")
 }
 
 func parseCSR(p string) (*x509.CertificateRequest, error) {
