@@ -22,7 +22,7 @@ func runNode(ctx context.Context, args []string) error {
 	fs := flag.NewFlagSet("node", flag.ContinueOnError)
 	var (
 		path, name, logLevel string
-		credDir              string
+		credDir, spireSocket string
 		noIntercept          bool
 		uninstall            bool
 		hboneNetstack        bool
@@ -31,6 +31,7 @@ func runNode(ctx context.Context, args []string) error {
 	)
 	fs.StringVar(&path, "config", "/etc/meshtun/mesh.yaml", "the mesh config `file` (see docs/config.md)")
 	fs.StringVar(&name, "node", "", "this node's `name` in the config file (required)")
+	fs.StringVar(&spireSocket, "spire-admin-socket", "", "`path` of the node's SPIRE agent admin socket: take the workloads' certificates from SPIRE's Delegated Identity API instead of `meshtun ca` (see docs/identity.md)")
 	fs.StringVar(&credDir, "credentials", "/var/lib/meshtun/node", "`directory` of this node's credential for `meshtun ca` (cert.pem, key.pem, roots.pem; made by `meshtun ca issue-node`)")
 	fs.BoolVar(&noIntercept, "no-intercept", false, "intercept nothing: every packet goes through the TUN verbatim (for measuring the TUN path alone)")
 	fs.BoolVar(&uninstall, "uninstall", false, "remove meshtun from this network namespace (its rules and blocking routes, which a stopped proxy leaves so that captured traffic stays blocked) and exit; refused while a proxy runs")
@@ -101,6 +102,14 @@ func runNode(ctx context.Context, args []string) error {
 		Logger:          log,
 	}
 	switch {
+	case spireSocket != "":
+		sp, err := identity.DialSpire(ctx, identity.SpireConfig{AdminSocket: spireSocket, TrustDomain: mesh.TrustDomain, Logger: log})
+		if err != nil {
+			return err
+		}
+		defer sp.Close()
+		ncfg.Issuer, ncfg.Bundle = sp, sp.Bundle()
+		log.Info().Str("spire_admin_socket", spireSocket).Msg("certificates from the SPIRE agent")
 	case c.CA.InsecureSharedDir:
 		// node.Run opens ca.dir itself, and says loudly that it does.
 	case c.CA.Address == "":
