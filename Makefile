@@ -16,12 +16,15 @@ vet:
 # test runs everything CI runs: vet, unit tests, a short fuzz pass over the
 # packet classifier, and the end-to-end tests on the network-namespace
 # cluster (these need root and /dev/net/tun; they fail, not skip, without),
-# and the container image's checks (image-test: about 25 s warm, 4 minutes
+# the Istio interop tests, the SPIRE tests (SPIRE is built once, ~30
+# minutes on a busy 2-core machine, and cached in ~/.cache/meshtun-test) and
+# the container image's checks (image-test: about 25 s warm, 4 minutes
 # the first time on a busy 2-core machine, which cross-builds for arm64).
 test: vet build image-test
 	$(GO) test -count=1 -timeout 30m $(PKGS)
 	$(GO) test -run '^$$' -fuzz FuzzClassify -fuzztime 200000x ./stack/classify
 	cd test/interop && $(GO) vet ./... && $(GO) test -count=1 -timeout 10m ./...
+	cd test/spire && $(GO) vet ./... && $(GO) test -count=1 -timeout 30m ./...
 
 # demo builds meshtun and runs `meshtun demo`: a two-node cluster in
 # network namespaces, real traffic through it and how each flow travelled.

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -45,6 +46,8 @@ type SpireIssuer struct {
 	bundle *TrustBundle
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
+	// lastErr is the last error of the bundle subscription.
+	lastErr atomic.Pointer[error]
 }
 
 // DialSpire connects to the agent and waits for its first trust bundle.
@@ -78,8 +81,12 @@ func DialSpire(ctx context.Context, cfg SpireConfig) (*SpireIssuer, error) {
 			return nil, err
 		}
 	case <-wctx.Done():
+		var last error = wctx.Err()
+		if e := s.lastErr.Load(); e != nil {
+			last = *e
+		}
 		s.Close()
-		return nil, fmt.Errorf("identity: SPIRE agent %s: no trust bundle: %w", cfg.AdminSocket, wctx.Err())
+		return nil, fmt.Errorf("identity: SPIRE agent %s: no trust bundle within %s: %w", cfg.AdminSocket, cfg.Timeout, last)
 	}
 	return s, nil
 }
@@ -96,7 +103,7 @@ func (s *SpireIssuer) Close() error {
 }
 
 // followBundles keeps the bundle of the trust domain current; it reports
-// the first one (or the first error) on first, then retries until ctx ends.
+// the first one on first, and resubscribes until ctx ends.
 func (s *SpireIssuer) followBundles(ctx context.Context, first chan<- error) {
 	reported := false
 	report := func(err error) {
@@ -129,11 +136,11 @@ func (s *SpireIssuer) followBundles(ctx context.Context, first chan<- error) {
 		if ctx.Err() != nil {
 			return
 		}
-		if !reported {
-			report(fmt.Errorf("identity: SPIRE agent %s: bundle subscription: %w", s.cfg.AdminSocket, err))
-			return
-		}
-		s.cfg.Logger.Warn().Err(err).Msg("SPIRE bundle subscription ended; resubscribing")
+		// The agent may not serve this process yet (it is starting, or has
+		// not synced the node proxy's entry): retry; DialSpire gives up
+		// after its timeout with the last error.
+		s.lastErr.Store(&err)
+		s.cfg.Logger.Warn().Err(err).Msg("SPIRE bundle subscription failed or ended; resubscribing")
 		select {
 		case <-ctx.Done():
 			return
