@@ -322,4 +322,3 @@ func TestSpireSource(t *testing.T) {
 		}
 	})
 }
-
