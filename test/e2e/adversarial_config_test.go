@@ -61,7 +61,7 @@ const l7Deny = `  - name: no-delete-on-admin
 // refused, with the policy named in the log; the other port still works,
 // logged by an AUDIT policy.
 func TestAdversarialConfig(t *testing.T) {
-	c := cluster.NewT(t, cluster.Spec{Name: "l7cfg", Nodes: 2, PodsPerNode: 2, NoExternal: true})
+	c := cluster.NewT(t, cluster.Spec{Name: "l7cfg", Nodes: 2, PodsPerNode: 2, NoExternal: true, Control: true})
 	client, web, api := c.Nodes[0].Pods[0], c.Nodes[1].Pods[0], c.Nodes[1].Pods[1]
 	cfg := writeConfig(t, c, l7Mesh(""))
 	startWithConfig(t, c.Nodes[0], cfg)

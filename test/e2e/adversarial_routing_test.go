@@ -423,7 +423,7 @@ func csum(b []byte) uint16 {
 // mesh TCP, verbatim UDP and ICMP work in both directions; a stop puts
 // every value back.
 func TestStrictReversePathFilter(t *testing.T) {
-	c := cluster.NewT(t, cluster.Spec{Name: "rpf", Nodes: 2, PodsPerNode: 1, NoExternal: true})
+	c := cluster.NewT(t, cluster.Spec{Name: "rpf", Nodes: 2, PodsPerNode: 1, NoExternal: true, Control: true})
 	n1, n2 := c.Nodes[0], c.Nodes[1]
 	p11, p21 := n1.Pods[0], n2.Pods[0]
 	for _, n := range c.Nodes {
