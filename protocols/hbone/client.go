@@ -224,8 +224,17 @@ func (c *Client) reserve(ctx context.Context, key poolKey, avoid *poolConn) (*po
 			pc.h.close(nil)
 			err = errors.New("hbone: client is closed")
 		}
+		reserved := false
 		if err == nil {
 			c.conns[key] = append(c.conns[key], pc)
+			// Take the first stream of the new connection now: looping
+			// back to the pool would find it gone if the server closed it
+			// right after the handshake (TLS 1.3 servers refuse a client
+			// certificate after the client has finished), and dial again,
+			// making a refused client knock twice.
+			if reserved = c.reserveLocked(pc); !reserved && !pc.h.usable.Load() {
+				err = pc.closedErr(key)
+			}
 		}
 		d.err = err
 		close(d.done)
@@ -233,7 +242,23 @@ func (c *Client) reserve(ctx context.Context, key poolKey, avoid *poolConn) (*po
 		if err != nil {
 			return nil, err
 		}
+		if reserved {
+			return pc, nil
+		}
 	}
+}
+
+// closedErr is the error of a connection that closed before its first
+// stream.
+func (pc *poolConn) closedErr(key poolKey) error {
+	h := pc.h
+	h.mu.Lock()
+	err := h.closeErr
+	h.mu.Unlock()
+	if err == nil {
+		err = errors.New("connection closed")
+	}
+	return fmt.Errorf("hbone: connection to %s closed before its first stream: %w", key.endpoint, err)
 }
 
 func isContextError(err error) bool {
