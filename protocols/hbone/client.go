@@ -226,7 +226,12 @@ func (c *Client) reserve(ctx context.Context, key poolKey, avoid *poolConn) (*po
 		}
 		reserved := false
 		if err == nil {
-			c.conns[key] = append(c.conns[key], pc)
+			// A connection whose read loop already ended is not pooled:
+			// removeLocked has run for it and would not run again, so it
+			// would stay in the list for good.
+			if !pc.dead {
+				c.conns[key] = append(c.conns[key], pc)
+			}
 			// Take the first stream of the new connection now: looping
 			// back to the pool would find it gone if the server closed it
 			// right after the handshake (TLS 1.3 servers refuse a client
