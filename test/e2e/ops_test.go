@@ -200,7 +200,10 @@ func TestOperations(t *testing.T) {
 			io.Copy(c, stream(5, 8<<20))
 		})
 		long := dial(t, p11.NS, p21.IPv4, 7301)
-		mark := m1.Len()
+		// A workload on the draining node, for a connection to it from
+		// the other node (inbound HBONE while draining).
+		inward := serve(t, p11, 7304, func(c net.Conn) { io.Copy(c, c) })
+		mark, mark2 := m1.Len(), m2.Len()
 		m1.Process.Signal(syscall.SIGTERM)
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
@@ -213,6 +216,37 @@ func TestOperations(t *testing.T) {
 		if c, err := p11.Dial(ctx, "tcp", netip.AddrPortFrom(p21.IPv4, 7301).String()); err == nil {
 			c.Close()
 			t.Errorf("a new connection was accepted while draining")
+		}
+		// Inbound: node 2 is not draining and tunnels to node 1, which
+		// must refuse the stream; the workload gets nothing. Two layers
+		// refuse it: the HBONE server's GOAWAY (REFUSED_STREAM), and
+		// behind it the proxy's own check (DRAIN), which only a stream
+		// arriving between the two sees; either refusal passes here, the
+		// proxy's check alone is TestInboundRefusedWhileDraining's.
+		to11 := netip.AddrPortFrom(p11.IPv4, 7304)
+		if c, err := p21.Dial(ctx, "tcp", to11.String()); err == nil {
+			c.Close()
+			t.Errorf("a new inbound connection to the draining node's workload was accepted")
+		}
+		if l, err := m2.WaitLogSince(ctx, mark2, func(l noderun.Line) bool {
+			return l.Str("message") == "connection refused" && l.Str("dst.addr") == to11.String()
+		}); err != nil {
+			t.Errorf("node 2 logged no refusal of its connection to the draining node: %v", err)
+		} else if l.Str("route") != "hbone" {
+			t.Errorf("node 2 refused the connection to the draining node on route %q, want hbone (the refusal must come from node 1)", l.Str("route"))
+		}
+		if l, err := m1.WaitLogSince(ctx, mark, func(l noderun.Line) bool {
+			return l.Str("response_flags") == "DRAIN" && l.Str("direction") == "inbound" && l.Str("dst.addr") == to11.String() ||
+				l.Str("message") == "hbone: stream refused (REFUSED_STREAM)" && l.Str("reason") == "draining"
+		}); err != nil {
+			t.Errorf("node 1 logged no drain refusal of the inbound stream: %v", err)
+		} else {
+			t.Logf("node 1: %s %s%s", l.Str("message"), l.Str("reason"), l.Str("response_flags"))
+		}
+		select {
+		case p := <-inward.peers:
+			t.Errorf("the draining node's workload received a connection from %s", p)
+		default:
 		}
 		close(release)
 		h := sha256sum(t, long, 8<<20)
