@@ -26,14 +26,50 @@ import (
 
 // syncBuffer is a bytes.Buffer safe for concurrent writes (the access log).
 type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
+	mu    sync.Mutex
+	b     bytes.Buffer
+	wrote chan struct{} // a token after each write; made on first use
+}
+
+func (s *syncBuffer) notify() chan struct{} {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.wrote == nil {
+		s.wrote = make(chan struct{}, 1)
+	}
+	return s.wrote
 }
 
 func (s *syncBuffer) Write(p []byte) (int, error) {
+	ch := s.notify()
 	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
+	n, err := s.b.Write(p)
+	s.mu.Unlock()
+	select {
+	case ch <- struct{}{}:
+	default:
+	}
+	return n, err
+}
+
+// waitLine returns the first line for which match is true, waiting for
+// it up to 5 s.
+func (s *syncBuffer) waitLine(t *testing.T, match func(map[string]any) bool) map[string]any {
+	t.Helper()
+	ch := s.notify()
+	deadline := time.After(5 * time.Second)
+	for {
+		for _, l := range s.lines(t) {
+			if match(l) {
+				return l
+			}
+		}
+		select {
+		case <-ch:
+		case <-deadline:
+			return nil
+		}
+	}
 }
 
 // lines returns the JSON lines written so far.
