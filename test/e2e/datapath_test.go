@@ -408,7 +408,7 @@ func TestDataPath(t *testing.T) {
 		})
 	})
 	t.Run("unknown IP protocol 253 arrives byte-identical", func(t *testing.T) {
-		throughTUN(t, "other", func() { rawProto(t, p11.NS, p21.NS, p11.IPv4, p21.IPv4) })
+		throughTUN(t, "other", func() { rawProto(t, p11.NS, p21.NS, p11.IPv4, p21.IPv4, 2) })
 	})
 
 	// Stop both proxies: the rules stay (the pods' traffic is blocked

@@ -223,9 +223,11 @@ func ping(t testing.TB, ns *cluster.NS, dst netip.Addr) {
 }
 
 // rawProto sends IPv4 packets of protocol 253 (reserved for experiments,
-// unknown to meshtun) from src to dst and checks the receiver sees the same
-// header fields, payload and source address.
-func rawProto(t testing.TB, client, srv *cluster.NS, src, dst netip.Addr) {
+// unknown to meshtun) from src to dst and checks that the receiver gets
+// every byte as sent except what a router may change: the TTL, which must
+// be down by exactly hops (each node one hop, as without meshtun), and the
+// header checksum, which must be valid for the new TTL.
+func rawProto(t testing.TB, client, srv *cluster.NS, src, dst netip.Addr, hops int) {
 	t.Helper()
 	var rc *ipv4.RawConn
 	if err := srv.Do(func() error {
@@ -251,10 +253,18 @@ func rawProto(t testing.TB, client, srv *cluster.NS, src, dst netip.Addr) {
 		t.Fatalf("raw socket in %s: %v", client.Name(), err)
 	}
 	defer sc.Close()
+	const ttl = 64
 	for i := 0; i < 3; i++ {
 		body := []byte(fmt.Sprintf("protocol 253 payload %d \x00\xff", i))
-		h := &ipv4.Header{Version: 4, Len: ipv4.HeaderLen, TotalLen: ipv4.HeaderLen + len(body), ID: 0x4d00 + i, TTL: 64, Protocol: 253,
-			Src: src.AsSlice(), Dst: dst.AsSlice()}
+		// DSCP EF (ECN bits clear: a router may set CE) and DF: fields a
+		// forwarder has no business changing.
+		h := &ipv4.Header{Version: 4, Len: ipv4.HeaderLen, TOS: 0xb8, TotalLen: ipv4.HeaderLen + len(body), ID: 0x4d00 + i,
+			Flags: ipv4.DontFragment, TTL: ttl, Protocol: 253, Src: src.AsSlice(), Dst: dst.AsSlice()}
+		want, err := h.Marshal()
+		if err != nil {
+			t.Fatal(err)
+		}
+		want = append(want, body...)
 		if err := sc.WriteTo(h, body, nil); err != nil {
 			t.Fatalf("send protocol 253: %v", err)
 		}
@@ -268,18 +278,41 @@ func rawProto(t testing.TB, client, srv *cluster.NS, src, dst netip.Addr) {
 			if rh.ID != h.ID {
 				continue
 			}
-			if !bytes.Equal(p, body) {
-				t.Fatalf("payload %q, want %q", p, body)
+			got := buf[:rh.Len+len(p)]
+			if len(got) != len(want) {
+				t.Fatalf("packet %d arrived with %d bytes, sent %d:\n got  % x\n sent % x", i, len(got), len(want), got, want)
 			}
-			if got, _ := netip.AddrFromSlice(rh.Src); got.Unmap() != src {
-				t.Fatalf("source address %s, want the sender's %s", got, src)
+			for j := range got {
+				// TTL (8) and header checksum (10, 11) are a router's.
+				if j != 8 && j != 10 && j != 11 && got[j] != want[j] {
+					t.Fatalf("packet %d: byte %d is %#02x, sent %#02x:\n got  % x\n sent % x", i, j, got[j], want[j], got, want)
+				}
 			}
-			if rh.Protocol != 253 || rh.TotalLen != h.TotalLen {
-				t.Fatalf("header changed: protocol %d len %d", rh.Protocol, rh.TotalLen)
+			if got[8] != ttl-byte(hops) {
+				t.Fatalf("packet %d arrived with TTL %d, sent %d: want %d (%d hops, one per node)", i, got[8], ttl, ttl-hops, hops)
+			}
+			if ipChecksum(got[:rh.Len]) != 0 {
+				t.Fatalf("packet %d arrived with a wrong header checksum: % x", i, got[:rh.Len])
 			}
 			break
 		}
 	}
+}
+
+// ipChecksum is the Internet checksum of b: 0 over a header whose
+// checksum field is right.
+func ipChecksum(b []byte) uint16 {
+	var sum uint32
+	for i := 0; i+1 < len(b); i += 2 {
+		sum += uint32(b[i])<<8 | uint32(b[i+1])
+	}
+	if len(b)%2 == 1 {
+		sum += uint32(b[len(b)-1]) << 8
+	}
+	for sum > 0xffff {
+		sum = sum&0xffff + sum>>16
+	}
+	return ^uint16(sum)
 }
 
 // udpCounters returns the Udp line pair of /proc/net/snmp in ns.
