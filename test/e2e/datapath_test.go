@@ -410,6 +410,45 @@ func TestDataPath(t *testing.T) {
 	t.Run("unknown IP protocol 253 arrives byte-identical", func(t *testing.T) {
 		throughTUN(t, "other", func() { rawProto(t, p11.NS, p21.NS, p11.IPv4, p21.IPv4, 2) })
 	})
+	t.Run("TCP fragments from a pod are dropped and counted", func(t *testing.T) {
+		// The classifier cannot see a fragment's ports; passed on, the
+		// receiving pod would reassemble a TCP segment that no proxy
+		// saw. UDP fragments, the control, go on verbatim and are
+		// reassembled by the pod.
+		sn := sniff(t, mc.c.Fabric)
+		dropped := map[string]string{"reason": "fragmented-tcp"}
+		before := value(scrape(t, n1), "meshtun_classifier_drops_total", dropped)
+		stamp := time.Now().UnixNano()
+		tcpMarker := []byte(fmt.Sprintf("MESHTUN-TCP-FRAGMENT-%d", stamp))
+		udpMarker := []byte(fmt.Sprintf("MESHTUN-UDP-FRAGMENT-%d", stamp))
+		up := listenPacket(t, p21.NS, "udp4", ":9007")
+		fragmentedTCP(t, p11.NS, netip.AddrPortFrom(p11.IPv4, 40007), netip.AddrPortFrom(p21.IPv4, 7009), tcpMarker)
+		fragmentedUDP(t, p11.NS, netip.AddrPortFrom(p11.IPv4, 40008), netip.AddrPortFrom(p21.IPv4, 9007), udpMarker)
+		up.SetReadDeadline(time.Now().Add(5 * time.Second))
+		buf := make([]byte, 1500)
+		n, _, err := up.ReadFrom(buf)
+		if err != nil || !bytes.Contains(buf[:n], udpMarker) {
+			t.Fatalf("the fragmented UDP datagram (the control) did not reach the pod: %q, %v", buf[:n], err)
+		}
+		if !sn.waitSeen(udpMarker, 5*time.Second) {
+			t.Fatalf("the UDP fragment never showed on the node-to-node link: the capture does not see the wire")
+		}
+		deadline := time.Now().Add(5 * time.Second)
+		var after float64
+		for {
+			after = value(scrape(t, n1), "meshtun_classifier_drops_total", dropped)
+			if after-before >= 2 || time.Now().After(deadline) {
+				break
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+		if after-before != 2 {
+			t.Errorf("meshtun_classifier_drops_total{reason=fragmented-tcp} on node 1 grew by %v, want 2 (both fragments)", after-before)
+		}
+		if sn.seen(tcpMarker) {
+			t.Errorf("a TCP fragment crossed the node-to-node link")
+		}
+	})
 
 	// Stop both proxies: the rules stay (the pods' traffic is blocked
 	// while no proxy runs); uninstalling leaves routing exactly as before.

@@ -402,3 +402,65 @@ func udpHops(t testing.TB, client, srv *cluster.NS, dst netip.Addr, port int) in
 		}
 	}
 }
+
+// sendFragments sends from src to dst, through a raw socket in ns, the
+// IPv4 fragments of one datagram of protocol proto whose transport part
+// is first (sent with More Fragments; a multiple of 8 bytes) followed by
+// rest (sent at first's offset). id is the datagram's IP ID.
+func sendFragments(t testing.TB, ns *cluster.NS, proto int, src, dst netip.Addr, id int, first, rest []byte) {
+	t.Helper()
+	if len(first)%8 != 0 {
+		t.Fatalf("first fragment of %d bytes: want a multiple of 8", len(first))
+	}
+	var rc *ipv4.RawConn
+	if err := ns.Do(func() error {
+		pc, err := net.ListenPacket(fmt.Sprintf("ip4:%d", proto), src.String())
+		if err != nil {
+			return err
+		}
+		rc, err = ipv4.NewRawConn(pc)
+		return err
+	}); err != nil {
+		t.Fatalf("raw socket in %s: %v", ns.Name(), err)
+	}
+	defer rc.Close()
+	for _, f := range []struct {
+		b     []byte
+		flags ipv4.HeaderFlags
+		off   int
+	}{{first, ipv4.MoreFragments, 0}, {rest, 0, len(first) / 8}} {
+		h := &ipv4.Header{Version: 4, Len: ipv4.HeaderLen, TotalLen: ipv4.HeaderLen + len(f.b), ID: id,
+			Flags: f.flags, FragOff: f.off, TTL: 64, Protocol: proto, Src: src.AsSlice(), Dst: dst.AsSlice()}
+		if err := rc.WriteTo(h, f.b, nil); err != nil {
+			t.Fatalf("send fragment (protocol %d, offset %d): %v", proto, f.off*8, err)
+		}
+	}
+}
+
+// fragmentedTCP sends a TCP segment from src to dst in two IPv4
+// fragments, the marker in the second.
+func fragmentedTCP(t testing.TB, ns *cluster.NS, src, dst netip.AddrPort, marker []byte) {
+	t.Helper()
+	first := make([]byte, 24) // the TCP header and 4 bytes of payload
+	binary.BigEndian.PutUint16(first[0:], src.Port())
+	binary.BigEndian.PutUint16(first[2:], dst.Port())
+	binary.BigEndian.PutUint32(first[4:], 1)
+	first[12] = 5 << 4 // data offset: 20 bytes
+	first[13] = 0x02   // SYN
+	first[14], first[15] = 0xff, 0xff
+	copy(first[20:], "frag")
+	sendFragments(t, ns, syscall.IPPROTO_TCP, src.Addr(), dst.Addr(), 0x6d01, first, marker)
+}
+
+// fragmentedUDP sends a UDP datagram from src to dst in two IPv4
+// fragments, the marker in the second; the UDP checksum is 0 (none), so
+// the receiver's reassembly delivers it.
+func fragmentedUDP(t testing.TB, ns *cluster.NS, src, dst netip.AddrPort, marker []byte) {
+	t.Helper()
+	first := make([]byte, 24) // the UDP header and 16 bytes of data
+	binary.BigEndian.PutUint16(first[0:], src.Port())
+	binary.BigEndian.PutUint16(first[2:], dst.Port())
+	binary.BigEndian.PutUint16(first[4:], uint16(len(first)+len(marker)))
+	copy(first[8:], "fragmented udp: ")
+	sendFragments(t, ns, syscall.IPPROTO_UDP, src.Addr(), dst.Addr(), 0x6d02, first, marker)
+}
