@@ -82,6 +82,14 @@ func value(fams map[string]*dto.MetricFamily, name string, want map[string]strin
 	return sum
 }
 
+// restartGap bounds the time from a node proxy's SIGKILL until a new
+// connection through the restarted one works. Measured: 17-24 ms on a
+// 2-core machine at load 6-8, so 3 s leaves two orders of magnitude for a
+// busier machine; yet a restart that makes the client's first SYN go
+// unanswered costs the kernel's SYN retransmissions (1 s, then 2 s more)
+// and fails it, as does anything that waits for a timeout of its own.
+const restartGap = 3 * time.Second
+
 // TestOperations covers what an operator relies on: metrics that match the
 // traffic, readiness, the drain on SIGTERM, and a restart after SIGKILL.
 func TestOperations(t *testing.T) {
@@ -272,7 +280,7 @@ func TestOperations(t *testing.T) {
 		r := startWithConfig(t, n1, cfg)
 		restarted := time.Since(killed)
 		// The gap a client sees: from the kill until a new connection
-		// works again (the restart included). Reported, not asserted.
+		// works again (the restart included), bounded by restartGap.
 		for {
 			ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 			cl, err := p11.Dial(ctx, "tcp", netip.AddrPortFrom(p21.IPv4, 7302).String())
@@ -286,7 +294,11 @@ func TestOperations(t *testing.T) {
 				t.Fatalf("no connection 20 s after the restart: %v", err)
 			}
 		}
-		t.Logf("SIGKILL → ready again: %v; → first new connection through: %v", restarted.Round(time.Millisecond), time.Since(killed).Round(time.Millisecond))
+		gap := time.Since(killed)
+		t.Logf("SIGKILL → ready again: %v; → first new connection through: %v", restarted.Round(time.Millisecond), gap.Round(time.Millisecond))
+		if gap > restartGap {
+			t.Errorf("a new connection worked again only %v after the SIGKILL (restart %v), want at most %v", gap.Round(time.Millisecond), restarted.Round(time.Millisecond), restartGap)
+		}
 		r.Stop(syscall.SIGTERM)
 	})
 }
