@@ -3,7 +3,7 @@ GO      ?= go
 BIN     := bin/meshtun
 PKGS    := ./...
 
-.PHONY: all build test unit e2e vet fuzz bench demo clean image image-push image-test
+.PHONY: all build test unit e2e vet fuzz bench demo mutate clean image image-push image-test
 
 all: build
 
@@ -25,6 +25,28 @@ test: vet build image-test
 	$(GO) test -run '^$$' -fuzz FuzzClassify -fuzztime 200000x ./stack/classify
 	cd test/interop && $(GO) vet ./... && $(GO) test -count=1 -timeout 10m ./...
 	cd test/spire && $(GO) vet ./... && $(GO) test -count=1 -timeout 30m ./...
+
+# mutate runs mutation testing over the packages whose logic decides
+# security and routing, one package at a time, at low priority: gremlins
+# changes one operator or condition at a time and runs the package's tests,
+# and a mutant that no test notices (LIVED) is a gap. Slow (tens of minutes
+# on 2 cores), so not part of `make test`; MUTATE_PKGS=./mesh/policy runs
+# one package. gremlins is pinned in test/mutate/go.mod, a module of its
+# own, so that the product's go.mod does not carry a tool's dependencies.
+# Results (JSON) go to out/mutate/; docs/testing.md keeps the efficacy per
+# package and what each living mutant means.
+GREMLINS    := bin/gremlins
+MUTATE_PKGS ?= ./stack/classify ./mesh/policy ./mesh/registry ./protocols/hbone ./mesh/proxy
+
+$(GREMLINS): test/mutate/go.mod test/mutate/go.sum
+	cd test/mutate && $(GO) build -o ../../$(GREMLINS) github.com/go-gremlins/gremlins/cmd/gremlins
+
+mutate: $(GREMLINS)
+	mkdir -p out/mutate
+	set -e; for p in $(MUTATE_PKGS); do \
+		nice -n 19 ./$(GREMLINS) unleash --workers 1 --test-cpu 1 --timeout-coefficient 10 \
+			-o out/mutate/$$(echo $$p | sed 's|^\./||; s|/|-|g').json $$p; \
+	done
 
 # demo builds meshtun and runs `meshtun demo`: a two-node cluster in
 # network namespaces, real traffic through it and how each flow travelled.
