@@ -83,8 +83,8 @@ func value(fams map[string]*dto.MetricFamily, name string, want map[string]strin
 }
 
 // restartGap bounds the time from a node proxy's SIGKILL until a new
-// connection through the restarted one works. Measured: 17-24 ms on a
-// 2-core machine at load 6-8, so 3 s leaves two orders of magnitude for a
+// connection through the restarted one works. Measured: 17-64 ms on a
+// 2-core machine at load 6-14, so 3 s leaves well over an order of magnitude for a
 // busier machine; yet a restart that makes the client's first SYN go
 // unanswered costs the kernel's SYN retransmissions (1 s, then 2 s more)
 // and fails it, as does anything that waits for a timeout of its own.
