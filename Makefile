@@ -20,11 +20,14 @@ vet:
 # minutes on a busy 2-core machine, and cached in ~/.cache/meshtun-test) and
 # the container image's checks (image-test: about 25 s warm, 4 minutes
 # the first time on a busy 2-core machine, which cross-builds for arm64).
+# test/kube builds kube-apiserver and etcd once into ~/.cache/meshtun-test
+# (about 10 minutes cold on a busy 2-core machine; seconds when cached).
 test: vet build image-test
 	$(GO) test -count=1 -timeout 30m $(PKGS)
 	$(GO) test -run '^$$' -fuzz FuzzClassify -fuzztime 200000x ./stack/classify
 	cd test/interop && $(GO) vet ./... && $(GO) test -count=1 -timeout 10m ./...
 	cd test/spire && $(GO) vet ./... && $(GO) test -count=1 -timeout 30m ./...
+	cd test/kube && $(GO) vet ./... && $(GO) test -count=1 -timeout 45m ./...
 
 # demo builds meshtun and runs `meshtun demo`: a two-node cluster in
 # network namespaces, real traffic through it and how each flow travelled.
