@@ -14,7 +14,6 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/kubernetes/fake"
-
 )
 
 func ns(name string, ambient bool) *corev1.Namespace {
@@ -165,4 +164,3 @@ func TestAddressReuse(t *testing.T) {
 		}
 	}
 }
-
