@@ -1,0 +1,504 @@
+package kube
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	authv1 "k8s.io/api/authentication/v1"
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/client-go/kubernetes"
+	sigsyaml "sigs.k8s.io/yaml"
+
+	"github.com/meshtun/meshtun/test/cluster"
+	"github.com/meshtun/meshtun/test/noderun"
+)
+
+// meshtunBin is the binary under test, built once by TestMain.
+var meshtunBin string
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "meshtun-kube-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "kube:", err)
+		os.Exit(1)
+	}
+	meshtunBin = filepath.Join(dir, "meshtun")
+	build := exec.Command("go", "build", "-o", meshtunBin, "github.com/meshtun/meshtun/cmd/meshtun")
+	build.Stdout, build.Stderr = os.Stderr, os.Stderr
+	if err := build.Run(); err != nil {
+		fmt.Fprintln(os.Stderr, "kube: build meshtun:", err)
+		os.Exit(1)
+	}
+	code := m.Run()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
+
+const deployDir = "../../deploy/kubernetes"
+
+// applyDeploy applies every manifest of deploy/kubernetes, namespaces
+// first, as server-side apply against the real API server: the manifests
+// are validated, and the node then runs with exactly the shipped RBAC.
+func applyDeploy(t *testing.T, cp *ControlPlane) []Manifest {
+	t.Helper()
+	ms, err := ReadManifests(deployDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var nss, rest []Manifest
+	for _, m := range ms {
+		if m.Obj.GetKind() == "Namespace" {
+			nss = append(nss, m)
+		} else {
+			rest = append(rest, m)
+		}
+	}
+	if err := cp.Apply(context.Background(), append(nss, rest...), false); err != nil {
+		t.Fatalf("apply deploy/kubernetes: %v", err)
+	}
+	return ms
+}
+
+// nodeConfig writes the node settings of deploy/kubernetes' ConfigMap,
+// with the CA directory moved to dir (the shared CA of the test's nodes).
+func nodeConfig(t *testing.T, ms []Manifest, dir string) string {
+	t.Helper()
+	for _, m := range ms {
+		if m.Obj.GetKind() != "ConfigMap" {
+			continue
+		}
+		var cm corev1.ConfigMap
+		data, _ := sigsyaml.Marshal(m.Obj.Object)
+		if err := sigsyaml.Unmarshal(data, &cm); err != nil {
+			t.Fatal(err)
+		}
+		y := cm.Data["mesh.yaml"]
+		if !strings.Contains(y, "/var/run/meshtun/ca") {
+			t.Fatalf("the ConfigMap's mesh.yaml has no CA directory /var/run/meshtun/ca:\n%s", y)
+		}
+		y = strings.ReplaceAll(y, "/var/run/meshtun/ca", filepath.Join(dir, "ca"))
+		path := filepath.Join(dir, "mesh.yaml")
+		if err := os.WriteFile(path, []byte(y), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return path
+	}
+	t.Fatal("deploy/kubernetes has no ConfigMap")
+	return ""
+}
+
+// kubelet plays the kubelet and the CNI for the test's pods: the cluster
+// package built the pods' namespaces and veths (like kindnet); kubelet
+// creates their Pod objects and reports their status.
+type kubelet struct {
+	t  *testing.T
+	cs *kubernetes.Clientset
+}
+
+func (k kubelet) namespace(name string, ambient bool) {
+	k.t.Helper()
+	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{}}}
+	if ambient {
+		ns.Labels["istio.io/dataplane-mode"] = "ambient"
+	}
+	if _, err := k.cs.CoreV1().Namespaces().Create(context.Background(), ns, metav1.CreateOptions{}); err != nil {
+		k.t.Fatal(err)
+	}
+}
+
+// run creates pod ns/name for cluster pod p with service account sa (and
+// the account), then patches its status to Running and Ready with p's
+// addresses.
+func (k kubelet) run(p *cluster.Pod, ns, name, sa string, labels map[string]string) {
+	k.t.Helper()
+	ctx := context.Background()
+	_, err := k.cs.CoreV1().ServiceAccounts(ns).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: sa}}, metav1.CreateOptions{})
+	if err != nil && !strings.Contains(err.Error(), "already exists") {
+		k.t.Fatal(err)
+	}
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, Labels: labels},
+		Spec: corev1.PodSpec{
+			NodeName: noderun.NodeName(p.Node), ServiceAccountName: sa,
+			AutomountServiceAccountToken: new(bool),
+			Containers: []corev1.Container{{Name: "app", Image: "example.invalid/app:1",
+				Ports: []corev1.ContainerPort{{Name: "http", ContainerPort: 8080}}}},
+		},
+	}
+	pod, err = k.cs.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{})
+	if err != nil {
+		k.t.Fatal(err)
+	}
+	now := metav1.Now()
+	pod.Status = corev1.PodStatus{
+		Phase: corev1.PodRunning, PodIP: p.IPv4.String(),
+		PodIPs:    []corev1.PodIP{{IP: p.IPv4.String()}, {IP: p.IPv6.String()}},
+		HostIP:    p.Node.IPv4.String(),
+		StartTime: &now,
+		Conditions: []corev1.PodCondition{
+			{Type: corev1.PodReady, Status: corev1.ConditionTrue, LastTransitionTime: now},
+		},
+	}
+	if _, err := k.cs.CoreV1().Pods(ns).UpdateStatus(ctx, pod, metav1.UpdateOptions{}); err != nil {
+		k.t.Fatal(err)
+	}
+}
+
+// echo serves an echo on port in p's namespace.
+func echo(t *testing.T, p *cluster.Pod, port int) {
+	t.Helper()
+	ln, err := p.Listen("tcp", fmt.Sprintf(":%d", port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() { defer c.Close(); io.Copy(c, c) }()
+		}
+	}()
+}
+
+// roundTrip connects from p to dst, has a message echoed and closes; it
+// returns the connection's source and destination.
+func roundTrip(t *testing.T, p *cluster.Pod, dst netip.AddrPort) (src netip.AddrPort) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	c, err := p.Dial(ctx, "tcp", dst.String())
+	if err != nil {
+		t.Fatalf("dial %s from %s: %v", dst, p.ID, err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	msg := []byte("hello " + p.ID)
+	if _, err := c.Write(msg); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, len(msg))
+	if _, err := io.ReadFull(c, buf); err != nil || string(buf) != string(msg) {
+		t.Fatalf("%s → %s: echo %q, %v", p.ID, dst, buf, err)
+	}
+	a := c.LocalAddr().(*net.TCPAddr).AddrPort()
+	return netip.AddrPortFrom(a.Addr().Unmap(), a.Port())
+}
+
+// waitLog waits for a log line of m from mark on.
+func waitLog(t *testing.T, m *noderun.Process, mark int, what string, pred func(noderun.Line) bool) noderun.Line {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	l, err := m.WaitLogSince(ctx, mark, pred)
+	if err != nil {
+		t.Fatalf("%s: no log line for %s: %v\nlogs:\n%s", m.Node.Name(), what, err, m.Logs())
+	}
+	return l
+}
+
+// accessLine returns a predicate for the access log of the connection from src.
+func accessLine(src netip.AddrPort) func(noderun.Line) bool {
+	return func(l noderun.Line) bool {
+		return l.Str("log") == "access" && l.Str("message") == "connection complete" && l.Str("src.addr") == src.String()
+	}
+}
+
+// hasLine reports whether a log line of m matches pred.
+func hasLine(m *noderun.Process, pred func(noderun.Line) bool) bool {
+	for _, l := range m.Lines() {
+		if pred(l) {
+			return true
+		}
+	}
+	return false
+}
+
+func podLog(pod, message string) func(noderun.Line) bool {
+	return func(l noderun.Line) bool { return l.Str("pod") == pod && l.Str("message") == message }
+}
+
+func wantField(t *testing.T, l noderun.Line, k, want string) {
+	t.Helper()
+	if got := l.Str(k); got != want {
+		t.Errorf("log %s = %q, want %q (line %v)", k, got, want, l)
+	}
+}
+
+func spiffe(ns, sa string) string { return "spiffe://cluster.local/ns/" + ns + "/sa/" + sa }
+
+// TestKubernetes runs meshtun on two nodes with the mesh from a real API
+// server, the node authenticating as deploy/kubernetes' service account.
+func TestKubernetes(t *testing.T) {
+	c := cluster.NewT(t, cluster.Spec{Name: "kube", Nodes: 2, PodsPerNode: 3})
+	cp := controlPlaneT(t, c)
+	ctx := context.Background()
+	ms := applyDeploy(t, cp)
+	dir := t.TempDir()
+	cfgPath := nodeConfig(t, ms, dir)
+
+	tok, err := cp.Admin.CoreV1().ServiceAccounts("meshtun-system").CreateToken(ctx, "meshtun",
+		&authv1.TokenRequest{Spec: authv1.TokenRequestSpec{ExpirationSeconds: new(int64(3600))}}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	kubeconfig := filepath.Join(dir, "kubeconfig")
+	if err := os.WriteFile(kubeconfig, cp.Kubeconfig(tok.Status.Token), 0o600); err != nil {
+		t.Fatal(err)
+	}
+
+	n1, n2 := c.Nodes[0], c.Nodes[1]
+	p11, p12, p13 := n1.Pods[0], n1.Pods[1], n1.Pods[2]
+	p21, p23 := n2.Pods[0], n2.Pods[2]
+	k := kubelet{t: t, cs: cp.Admin}
+	k.namespace("apps", true)
+	k.namespace("live", true)
+	k.run(p11, "apps", "client", "client", map[string]string{"app": "client"})
+	k.run(p21, "apps", "server", "server", map[string]string{"app": "server"})
+	k.run(p12, "apps", "opted", "opted", map[string]string{"app": "opted", "istio.io/dataplane-mode": "none"})
+	k.run(p13, "live", "livec", "livec", nil)
+	k.run(p23, "apps", "old", "old", nil)
+	echo(t, p21, 8080)
+	echo(t, p23, 8080)
+
+	start := func(n *cluster.Node) *noderun.Process {
+		sctx, cancel := context.WithTimeout(ctx, time.Minute)
+		defer cancel()
+		m, err := noderun.Start(sctx, meshtunBin, n, "--kubernetes", "--kubeconfig", kubeconfig, "--config", cfgPath)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { m.Stop(9) })
+		return m
+	}
+	m1, m2 := start(n1), start(n2)
+	t.Cleanup(func() {
+		// The shipped RBAC must be enough: client-go logs a refused
+		// request (403) as a warning.
+		for _, m := range []*noderun.Process{m1, m2} {
+			for _, l := range m.Lines() {
+				if s := strings.ToLower(fmt.Sprint(l)); strings.Contains(s, "forbidden") || strings.Contains(s, " 403") {
+					t.Errorf("%s: the API server refused the node a request: %v", m.Node.Name(), l)
+				}
+			}
+		}
+		if t.Failed() {
+			t.Logf("node 1 log:\n%s\nnode 2 log:\n%s", m1.Logs(), m2.Logs())
+		}
+	})
+
+	t.Run("mesh TCP across nodes with both identities", func(t *testing.T) {
+		for _, dst := range []netip.Addr{p21.IPv4, p21.IPv6} {
+			src := roundTrip(t, p11, netip.AddrPortFrom(dst, 8080))
+			out := waitLog(t, m1, 0, "outbound access log", accessLine(src))
+			wantField(t, out, "route", "hbone")
+			wantField(t, out, "src.identity", spiffe("apps", "client"))
+			wantField(t, out, "dst.identity", spiffe("apps", "server"))
+			in := waitLog(t, m2, 0, "inbound access log", accessLine(src))
+			wantField(t, in, "direction", "inbound")
+			wantField(t, in, "src.identity", spiffe("apps", "client"))
+		}
+	})
+
+	t.Run("pod opted out by label", func(t *testing.T) {
+		waitLog(t, m1, 0, "opted-out pod", podLog("apps/opted", "pod not in the mesh"))
+		src := roundTrip(t, p12, netip.AddrPortFrom(p21.IPv4, 8080))
+		// A mesh connection after it, whose log marks that node 1 has
+		// logged what it would have.
+		mark := roundTrip(t, p11, netip.AddrPortFrom(p21.IPv4, 8080))
+		waitLog(t, m1, 0, "mesh connection after", accessLine(mark))
+		if hasLine(m1, accessLine(src)) {
+			t.Errorf("node 1 proxied the opted-out pod's connection from %s", src)
+		}
+	})
+
+	t.Run("namespace label removed live", func(t *testing.T) {
+		waitLog(t, m1, 0, "live pod captured", podLog("live/livec", "pod in the mesh"))
+		src := roundTrip(t, p13, netip.AddrPortFrom(p21.IPv4, 8080))
+		l := waitLog(t, m1, 0, "captured connection", accessLine(src))
+		wantField(t, l, "src.identity", spiffe("live", "livec"))
+		mark1 := m1.Len()
+		ns, err := cp.Admin.CoreV1().Namespaces().Get(ctx, "live", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		delete(ns.Labels, "istio.io/dataplane-mode")
+		if _, err := cp.Admin.CoreV1().Namespaces().Update(ctx, ns, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		waitLog(t, m1, mark1, "live pod released", podLog("live/livec", "pod not in the mesh"))
+		src = roundTrip(t, p13, netip.AddrPortFrom(p21.IPv4, 8080))
+		mark := roundTrip(t, p11, netip.AddrPortFrom(p21.IPv4, 8080))
+		waitLog(t, m1, 0, "mesh connection after", accessLine(mark))
+		if hasLine(m1, accessLine(src)) {
+			t.Errorf("node 1 still proxies the released pod's connection from %s", src)
+		}
+	})
+
+	t.Run("pod deleted and its address reused", func(t *testing.T) {
+		prefix := netip.PrefixFrom(p23.IPv4, 32).String()
+		if !ruleFor(t, n2, prefix) {
+			t.Fatalf("node 2 has no capture rule for %s before the pod is deleted", prefix)
+		}
+		src := roundTrip(t, p11, netip.AddrPortFrom(p23.IPv4, 8080))
+		l := waitLog(t, m1, 0, "old pod connection", accessLine(src))
+		wantField(t, l, "dst.identity", spiffe("apps", "old"))
+		mark := m2.Len()
+		if err := cp.Admin.CoreV1().Pods("apps").Delete(ctx, "old", metav1.DeleteOptions{GracePeriodSeconds: new(int64(0))}); err != nil {
+			t.Fatal(err)
+		}
+		waitLog(t, m2, mark, "old pod gone", podLog("apps/old", "pod gone from this node"))
+		if ruleFor(t, n2, prefix) {
+			t.Errorf("node 2 still has a capture rule for %s after its pod was deleted", prefix)
+		}
+		mark = m2.Len()
+		k.run(p23, "apps", "reuse", "reuse", nil)
+		waitLog(t, m2, mark, "new pod captured", podLog("apps/reuse", "pod in the mesh"))
+		// Node 1 learns of the new pod from its own informers: until then
+		// it still has the old pod's identity for the address.
+		deadline := time.Now().Add(20 * time.Second)
+		for {
+			if src = roundTripMaybe(p11, netip.AddrPortFrom(p23.IPv4, 8080)); src.IsValid() {
+				l = waitLog(t, m1, 0, "new pod connection", accessLine(src))
+				if l.Str("dst.identity") == spiffe("apps", "reuse") {
+					break
+				}
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("no connection to the new pod at %s with its identity; last access log %v", p23.IPv4, l)
+			}
+			time.Sleep(200 * time.Millisecond)
+		}
+		wantField(t, l, "dst.identity", spiffe("apps", "reuse"))
+		in := waitLog(t, m2, 0, "new pod inbound", accessLine(src))
+		wantField(t, in, "dst.identity", spiffe("apps", "reuse"))
+	})
+
+	t.Run("service VIP with a named target port", func(t *testing.T) {
+		svc, err := cp.Admin.CoreV1().Services("apps").Create(ctx, &corev1.Service{
+			ObjectMeta: metav1.ObjectMeta{Name: "web"},
+			Spec: corev1.ServiceSpec{
+				Selector:       map[string]string{"app": "server"},
+				IPFamilyPolicy: new(corev1.IPFamilyPolicyRequireDualStack),
+				Ports:          []corev1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromString("http")}},
+			},
+		}, metav1.CreateOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		// No controller manager runs: the test writes the EndpointSlice
+		// the endpoint-slice controller would.
+		_, err = cp.Admin.DiscoveryV1().EndpointSlices("apps").Create(ctx, &discoveryv1.EndpointSlice{
+			ObjectMeta:  metav1.ObjectMeta{Name: "web-v4", Labels: map[string]string{discoveryv1.LabelServiceName: "web"}},
+			AddressType: discoveryv1.AddressTypeIPv4,
+			Ports:       []discoveryv1.EndpointPort{{Name: new("http"), Port: new(int32(8080))}},
+			Endpoints: []discoveryv1.Endpoint{{Addresses: []string{p21.IPv4.String()}, Conditions: discoveryv1.EndpointConditions{Ready: new(true)},
+				TargetRef: &corev1.ObjectReference{Kind: "Pod", Namespace: "apps", Name: "server"}}},
+		}, metav1.CreateOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(svc.Spec.ClusterIPs) != 2 {
+			t.Fatalf("service cluster IPs %v, want both families", svc.Spec.ClusterIPs)
+		}
+		for _, ip := range svc.Spec.ClusterIPs {
+			vip := netip.MustParseAddr(ip)
+			var src netip.AddrPort
+			deadline := time.Now().Add(20 * time.Second)
+			for { // until node 1 knows the service (no log line says so per service)
+				src = roundTripMaybe(p11, netip.AddrPortFrom(vip, 80))
+				if src.IsValid() || time.Now().After(deadline) {
+					break
+				}
+				time.Sleep(200 * time.Millisecond)
+			}
+			if !src.IsValid() {
+				t.Fatalf("no connection to %s:80 through the service", vip)
+			}
+			l := waitLog(t, m1, 0, "service connection", accessLine(src))
+			wantField(t, l, "dst.identity", spiffe("apps", "server"))
+			wantField(t, l, "dst.service", "web.apps.svc.cluster.local")
+		}
+	})
+
+	t.Run("API server stopped for 30s", func(t *testing.T) {
+		cp.StopAPIServer()
+		stopped := time.Now()
+		for time.Since(stopped) < 30*time.Second {
+			src := roundTrip(t, p11, netip.AddrPortFrom(p21.IPv4, 8080))
+			waitLog(t, m1, 0, "connection while the API server is down", accessLine(src))
+			time.Sleep(5 * time.Second)
+		}
+		sctx, cancel := context.WithTimeout(ctx, time.Minute)
+		defer cancel()
+		if err := cp.StartAPIServer(sctx); err != nil {
+			t.Fatal(err)
+		}
+		// The informers watch again: a change made now reaches the node.
+		mark := m1.Len()
+		ns, err := cp.Admin.CoreV1().Namespaces().Get(ctx, "live", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ns.Labels["istio.io/dataplane-mode"] = "ambient"
+		if _, err := cp.Admin.CoreV1().Namespaces().Update(ctx, ns, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		ictx, cancel2 := context.WithTimeout(ctx, 90*time.Second)
+		defer cancel2()
+		if _, err := m1.WaitLogSince(ictx, mark, podLog("live/livec", "pod in the mesh")); err != nil {
+			t.Fatalf("node 1 did not see a change made after the API server came back: %v", err)
+		}
+	})
+}
+
+// roundTripMaybe is roundTrip that returns the zero AddrPort on failure.
+func roundTripMaybe(p *cluster.Pod, dst netip.AddrPort) netip.AddrPort {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	c, err := p.Dial(ctx, "tcp", dst.String())
+	if err != nil {
+		return netip.AddrPort{}
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	msg := []byte("hello")
+	if _, err := c.Write(msg); err != nil {
+		return netip.AddrPort{}
+	}
+	buf := make([]byte, len(msg))
+	if _, err := io.ReadFull(c, buf); err != nil {
+		return netip.AddrPort{}
+	}
+	a := c.LocalAddr().(*net.TCPAddr).AddrPort()
+	return netip.AddrPortFrom(a.Addr().Unmap(), a.Port())
+}
+
+// ruleFor reports whether node n has a policy rule for prefix.
+func ruleFor(t *testing.T, n *cluster.Node, prefix string) bool {
+	t.Helper()
+	rules, err := n.IPRules(2) // AF_INET
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range rules {
+		if strings.Contains(r, "to "+prefix) {
+			return true
+		}
+	}
+	return false
+}
