@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"flag"
 	"fmt"
 	"strings"
 	"sync"
@@ -60,7 +61,11 @@ var klogOnce sync.Once
 // warnings (client-go logs failed watches, 403s and retries there).
 func klogToZerolog(log zerolog.Logger) {
 	klogOnce.Do(func() {
-		klog.LogToStderr(false)
+		fs := flag.NewFlagSet("klog", flag.ContinueOnError)
+		klog.InitFlags(fs)
+		fs.Set("logtostderr", "false")
+		fs.Set("alsologtostderr", "false")
+		fs.Set("stderrthreshold", "FATAL")
 		klog.SetOutput(klogWriter{log.With().Str("log", "client-go").Logger()})
 	})
 }
