@@ -27,6 +27,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	listerscorev1 "k8s.io/client-go/listers/core/v1"
@@ -377,7 +378,51 @@ func (s *Source) workload(p *corev1.Pod, enrolled map[string]bool, owner map[net
 			w.Health = registry.Healthy
 		}
 	}
+	w.ProbePorts = probePorts(p)
 	return w, ""
+}
+
+// probePorts returns the ports of the pod's readiness, liveness and
+// startup probes (HTTP, TCP and gRPC; named ports resolved by the
+// container's ports), which the kubelet reaches from the node.
+func probePorts(p *corev1.Pod) []uint16 {
+	var out []uint16
+	add := func(port uint16) {
+		if port != 0 && !slices.Contains(out, port) {
+			out = append(out, port)
+		}
+	}
+	for _, c := range slices.Concat(p.Spec.InitContainers, p.Spec.Containers) {
+		for _, pr := range []*corev1.Probe{c.ReadinessProbe, c.LivenessProbe, c.StartupProbe} {
+			if pr == nil {
+				continue
+			}
+			switch {
+			case pr.HTTPGet != nil:
+				add(containerPort(c, pr.HTTPGet.Port))
+			case pr.TCPSocket != nil:
+				add(containerPort(c, pr.TCPSocket.Port))
+			case pr.GRPC != nil:
+				add(uint16(pr.GRPC.Port))
+			}
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+// containerPort resolves a probe's port, by number or by the name of one
+// of c's ports; 0 if it names none.
+func containerPort(c corev1.Container, port intstr.IntOrString) uint16 {
+	if port.Type == intstr.Int {
+		return uint16(port.IntVal)
+	}
+	for _, cp := range c.Ports {
+		if cp.Name == port.StrVal {
+			return uint16(cp.ContainerPort)
+		}
+	}
+	return 0
 }
 
 // service returns the registry service of svc with its ready endpoints

@@ -3,6 +3,7 @@ package kube
 import (
 	"context"
 	"net/netip"
+	"slices"
 	"testing"
 	"time"
 
@@ -73,16 +74,24 @@ func TestModel(t *testing.T) {
 			{Addresses: []string{"198.18.2.12"}, Conditions: discoveryv1.EndpointConditions{Ready: ptr(false)}, TargetRef: &corev1.ObjectReference{Kind: "Pod", Name: "notready"}},
 		},
 	}
-	s, cs := start(t, ns("mesh", true), ns("plain", false),
-		pod("mesh", "a", "n1", "198.18.1.11", "fd00:6d74:1::11"), opted, host, pending, notReady,
+	a := pod("mesh", "a", "n1", "198.18.1.11", "fd00:6d74:1::11")
+	a.Spec.Containers = []corev1.Container{{Name: "app",
+		Ports:          []corev1.ContainerPort{{Name: "health", ContainerPort: 8081}},
+		ReadinessProbe: &corev1.Probe{ProbeHandler: corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Port: intstr.FromString("health")}}},
+		LivenessProbe:  &corev1.Probe{ProbeHandler: corev1.ProbeHandler{TCPSocket: &corev1.TCPSocketAction{Port: intstr.FromInt32(9000)}}},
+	}}
+	s, cs := start(t, ns("mesh", true), ns("plain", false), a, opted, host, pending, notReady,
 		pod("plain", "b", "n2", "198.18.2.11"), svc, slice)
 	snap, err := s.Build()
 	if err != nil {
 		t.Fatal(err)
 	}
-	a := snap.Workload(netip.MustParseAddr("fd00:6d74:1::11"))
-	if a == nil || !a.InMesh || a.Identity.String() != "spiffe://cluster.local/ns/mesh/sa/a-sa" || len(a.Addresses) != 2 {
-		t.Fatalf("pod a: %+v", a)
+	wa := snap.Workload(netip.MustParseAddr("fd00:6d74:1::11"))
+	if wa == nil || !wa.InMesh || wa.Identity.String() != "spiffe://cluster.local/ns/mesh/sa/a-sa" || len(wa.Addresses) != 2 {
+		t.Fatalf("pod a: %+v", wa)
+	}
+	if !slices.Equal(wa.ProbePorts, []uint16{8081, 9000}) {
+		t.Errorf("pod a probe ports %v, want [8081 9000] (the named readiness port and the liveness port)", wa.ProbePorts)
 	}
 	if w := snap.Workload(netip.MustParseAddr("198.18.1.12")); w == nil || w.InMesh {
 		t.Errorf("opted-out pod: %+v, want a workload outside the mesh", w)
