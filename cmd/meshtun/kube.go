@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"flag"
+	"io"
 	"fmt"
 	"strings"
 	"sync"
@@ -66,7 +67,11 @@ func klogToZerolog(log zerolog.Logger) {
 		fs.Set("logtostderr", "false")
 		fs.Set("alsologtostderr", "false")
 		fs.Set("stderrthreshold", "FATAL")
-		klog.SetOutput(klogWriter{log.With().Str("log", "client-go").Logger()})
+		// klog writes a message to the output of its severity and of
+		// every lower one: only INFO's output goes to the log, so each
+		// message appears once.
+		klog.SetOutput(io.Discard)
+		klog.SetOutputBySeverity("INFO", klogWriter{log.With().Str("log", "client-go").Logger()})
 	})
 }
 
