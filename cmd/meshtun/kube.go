@@ -10,6 +10,7 @@ import (
 	"sync"
 
 	"github.com/rs/zerolog"
+	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
@@ -40,11 +41,15 @@ func startKube(ctx context.Context, kubeconfig, nodeName string, c *config.Confi
 	if err != nil {
 		return nil, nil, fmt.Errorf("kubernetes: %w", err)
 	}
+	dyn, err := dynamic.NewForConfig(rc)
+	if err != nil {
+		return nil, nil, fmt.Errorf("kubernetes: %w", err)
+	}
 	if len(c.Workloads) > 0 || len(c.Services) > 0 {
 		log.Warn().Str("config", c.Path).Msg("with --kubernetes the workloads and services of the config file are ignored: the API server's pods and services are the mesh")
 	}
 	src := kube.New(kube.Config{
-		Client: cs, Node: nodeName,
+		Client: cs, Dynamic: dyn, Discovery: cs.Discovery(), Node: nodeName,
 		TrustDomain: c.TrustDomainID(), RootNamespace: c.RootNamespace, DomainSuffix: c.ClusterDomain,
 		PeerAuth: c.DefaultPeerAuth(), Policies: c.Policies(), Logger: log,
 	})

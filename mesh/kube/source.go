@@ -28,6 +28,8 @@ import (
 	discoveryv1 "k8s.io/api/discovery/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/client-go/discovery"
+	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	listerscorev1 "k8s.io/client-go/listers/core/v1"
@@ -49,6 +51,11 @@ const (
 type Config struct {
 	// Client talks to the API server.
 	Client kubernetes.Interface
+	// Dynamic and Discovery, if set, read Istio's AuthorizationPolicy and
+	// PeerAuthentication (security.istio.io/v1) when their CRDs are
+	// installed; without them the CRDs are not read.
+	Dynamic   dynamic.Interface
+	Discovery discovery.DiscoveryInterface
 	// Node is this node's name (for status: which pods are local).
 	Node string
 	// TrustDomain, RootNamespace and DomainSuffix are the registry
@@ -78,6 +85,7 @@ type Source struct {
 	synced  []cache.InformerSynced
 	dirty   chan struct{}
 	updates chan *registry.Snapshot
+	istio   *istio // nil without Config.Dynamic
 
 	mu     sync.Mutex
 	status Status
@@ -134,6 +142,9 @@ func New(cfg Config) *Source {
 		inf.AddEventHandler(h)
 		s.synced = append(s.synced, inf.HasSynced)
 	}
+	if cfg.Dynamic != nil && cfg.Discovery != nil {
+		s.istio = &istio{dyn: cfg.Dynamic, disc: cfg.Discovery}
+	}
 	s.pods = f.Core().V1().Pods().Lister()
 	s.nss = f.Core().V1().Namespaces().Lister()
 	s.svcs = f.Core().V1().Services().Lister()
@@ -155,7 +166,8 @@ func (s *Source) changed() {
 func (s *Source) Start(ctx context.Context) (*registry.Snapshot, error) {
 	s.factory.Start(ctx.Done())
 	s.log.Info().Msg("waiting for the API server's pods, namespaces, services and endpoint slices")
-	if !cache.WaitForCacheSync(ctx.Done(), s.synced...) {
+	synced := append(s.synced, s.startIstio(ctx)...)
+	if !cache.WaitForCacheSync(ctx.Done(), synced...) {
 		return nil, fmt.Errorf("kube: informers did not sync: %w", context.Cause(ctx))
 	}
 	// The first build sees everything synced so far.
@@ -262,8 +274,10 @@ func (s *Source) logChanges(local []PodStatus) {
 func (s *Source) model() (registry.Model, []PodStatus, error) {
 	m := registry.Model{
 		TrustDomain: s.cfg.TrustDomain, RootNamespace: s.cfg.RootNamespace,
-		DomainSuffix: s.cfg.DomainSuffix, Policies: s.cfg.Policies,
+		DomainSuffix: s.cfg.DomainSuffix,
+		Policies:     append(slices.Clone(s.cfg.Policies), s.policies()...),
 	}
+	pa := s.peerAuthIndex()
 	nsList, err := s.nss.List(labels.Everything())
 	if err != nil {
 		return m, nil, err
@@ -291,7 +305,7 @@ func (s *Source) model() (registry.Model, []PodStatus, error) {
 	byPod := map[registry.WorkloadRef]*registry.Workload{}
 	for _, p := range pods {
 		key := p.Namespace + "/" + p.Name
-		w, reason := s.workload(p, enrolled, owner)
+		w, reason := s.workload(p, enrolled, owner, pa)
 		if p.Spec.NodeName == s.cfg.Node && !p.Spec.HostNetwork {
 			ps := PodStatus{Pod: key, Mesh: w != nil && w.InMesh, Reason: reason}
 			if w != nil && !w.InMesh {
@@ -341,7 +355,7 @@ func notInMeshReason(p *corev1.Pod, nsEnrolled bool) string {
 }
 
 // workload returns the workload of pod p, or nil and why not.
-func (s *Source) workload(p *corev1.Pod, enrolled map[string]bool, owner map[netip.Addr]string) (*registry.Workload, string) {
+func (s *Source) workload(p *corev1.Pod, enrolled map[string]bool, owner map[netip.Addr]string, pa *peerAuthIndex) (*registry.Workload, string) {
 	switch {
 	case p.Spec.HostNetwork:
 		return nil, "hostNetwork"
@@ -350,7 +364,7 @@ func (s *Source) workload(p *corev1.Pod, enrolled map[string]bool, owner map[net
 	}
 	w := &registry.Workload{
 		Name: p.Name, Namespace: p.Namespace, ServiceAccount: p.Spec.ServiceAccountName,
-		Node: p.Spec.NodeName, Labels: p.Labels, PeerAuth: s.cfg.PeerAuth,
+		Node: p.Spec.NodeName, Labels: p.Labels,
 		InMesh: enrolled[p.Namespace] && p.Labels[DataplaneModeLabel] != ModeNone,
 		Health: registry.Unhealthy,
 	}
@@ -379,6 +393,7 @@ func (s *Source) workload(p *corev1.Pod, enrolled map[string]bool, owner map[net
 		}
 	}
 	w.ProbePorts = probePorts(p)
+	pa.apply(w)
 	return w, ""
 }
 
