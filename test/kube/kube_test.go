@@ -17,7 +17,10 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 	sigsyaml "sigs.k8s.io/yaml"
 
@@ -350,6 +353,9 @@ func TestKubernetes(t *testing.T) {
 			t.Fatal(err)
 		}
 		waitLog(t, m1, mark1, "live pod released", podLog("live/livec", "pod not in the mesh"))
+		// The source logs a change when it builds the model; the rules
+		// follow when the node has installed it.
+		waitRule(t, n1, netip.PrefixFrom(p13.IPv4, 32).String(), false)
 		src = roundTrip(t, p13, netip.AddrPortFrom(p21.IPv4, 8080))
 		mark := roundTrip(t, p11, netip.AddrPortFrom(p21.IPv4, 8080))
 		waitLog(t, m1, 0, "mesh connection after", accessLine(mark))
@@ -371,12 +377,11 @@ func TestKubernetes(t *testing.T) {
 			t.Fatal(err)
 		}
 		waitLog(t, m2, mark, "old pod gone", podLog("apps/old", "pod gone from this node"))
-		if ruleFor(t, n2, prefix) {
-			t.Errorf("node 2 still has a capture rule for %s after its pod was deleted", prefix)
-		}
+		waitRule(t, n2, prefix, false)
 		mark = m2.Len()
 		k.run(p23, "apps", "reuse", "reuse", nil)
 		waitLog(t, m2, mark, "new pod captured", podLog("apps/reuse", "pod in the mesh"))
+		waitRule(t, n2, prefix, true)
 		// Node 1 learns of the new pod from its own informers: until then
 		// it still has the old pod's identity for the address.
 		deadline := time.Now().Add(20 * time.Second)
@@ -441,6 +446,96 @@ func TestKubernetes(t *testing.T) {
 			l := waitLog(t, m1, 0, "service connection", accessLine(src))
 			wantField(t, l, "dst.identity", spiffe("apps", "server"))
 			wantField(t, l, "dst.service", "web.apps.svc.cluster.local")
+		}
+	})
+
+	t.Run("Istio policies applied and removed live", func(t *testing.T) {
+		// The CRDs appear while the nodes run: they find them.
+		mark1, mark2 := m1.Len(), m2.Len()
+		installIstioCRDs(t, cp)
+		for i, m := range []*noderun.Process{m1, m2} {
+			mark := []int{mark1, mark2}[i]
+			ictx, cancel := context.WithTimeout(ctx, 40*time.Second)
+			_, err := m.WaitLogSince(ictx, mark, func(l noderun.Line) bool { return strings.HasPrefix(l.Str("message"), "Istio's policy CRDs appeared") })
+			cancel()
+			if err != nil {
+				t.Fatalf("%s did not find Istio's CRDs: %v", m.Node.Name(), err)
+			}
+		}
+		dyn := dynamic.NewForConfigOrDie(cp.AdminConfig)
+		dst := netip.AddrPortFrom(p21.IPv4, 8080)
+		open, err := p11.Dial(ctx, "tcp", dst.String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer open.Close()
+		if _, err := open.Write([]byte("x")); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := io.ReadFull(open, make([]byte, 1)); err != nil {
+			t.Fatal(err)
+		}
+		deny := &unstructured.Unstructured{Object: map[string]any{
+			"apiVersion": "security.istio.io/v1", "kind": "AuthorizationPolicy",
+			"metadata": map[string]any{"name": "deny-client", "namespace": "apps"},
+			"spec": map[string]any{
+				"selector": map[string]any{"matchLabels": map[string]any{"app": "server"}},
+				"action":   "DENY",
+				"rules": []any{map[string]any{"from": []any{map[string]any{"source": map[string]any{
+					"principals": []any{"cluster.local/ns/apps/sa/client"}}}}}},
+			},
+		}}
+		apr := dyn.Resource(schema.GroupVersionResource{Group: "security.istio.io", Version: "v1", Resource: "authorizationpolicies"}).Namespace("apps")
+		if _, err := apr.Create(ctx, deny, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		// The open connection is reset when node 2 enforces the policy.
+		open.SetDeadline(time.Now().Add(20 * time.Second))
+		if _, err := io.ReadFull(open, make([]byte, 1)); err == nil || strings.Contains(err.Error(), "timeout") {
+			t.Errorf("the open connection was not reset after the DENY policy: %v", err)
+		}
+		if src := roundTripMaybe(p11, dst); src.IsValid() {
+			t.Errorf("a new connection from %s went through the DENY policy", src)
+		}
+		if err := apr.Delete(ctx, "deny-client", metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		deadline := time.Now().Add(20 * time.Second)
+		for !roundTripMaybe(p11, dst).IsValid() {
+			if time.Now().After(deadline) {
+				t.Fatal("connections still refused 20s after the DENY policy was deleted")
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+
+		// PeerAuthentication STRICT for the namespace: plaintext from the
+		// opted-out pod is refused; mesh traffic still flows.
+		strict := &unstructured.Unstructured{Object: map[string]any{
+			"apiVersion": "security.istio.io/v1", "kind": "PeerAuthentication",
+			"metadata": map[string]any{"name": "strict", "namespace": "apps"},
+			"spec":     map[string]any{"mtls": map[string]any{"mode": "STRICT"}},
+		}}
+		par := dyn.Resource(schema.GroupVersionResource{Group: "security.istio.io", Version: "v1", Resource: "peerauthentications"}).Namespace("apps")
+		if _, err := par.Create(ctx, strict, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		deadline = time.Now().Add(20 * time.Second)
+		for roundTripMaybe(p12, dst).IsValid() {
+			if time.Now().After(deadline) {
+				t.Fatal("plaintext from the opted-out pod still reaches a STRICT pod 20s after the PeerAuthentication")
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+		roundTrip(t, p11, dst)
+		if err := par.Delete(ctx, "strict", metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		deadline = time.Now().Add(20 * time.Second)
+		for !roundTripMaybe(p12, dst).IsValid() {
+			if time.Now().After(deadline) {
+				t.Fatal("plaintext still refused 20s after the PeerAuthentication was deleted")
+			}
+			time.Sleep(100 * time.Millisecond)
 		}
 	})
 
@@ -511,4 +606,46 @@ func ruleFor(t *testing.T, n *cluster.Node, prefix string) bool {
 		}
 	}
 	return false
+}
+
+// waitRule waits until node n has (want) or has not (!want) a capture rule
+// for prefix. The kernel's rules have no change notification the test
+// can wait on; they are polled.
+func waitRule(t *testing.T, n *cluster.Node, prefix string, want bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for ruleFor(t, n, prefix) != want {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: capture rule for %s present = %v after 10s, want %v", n.Name(), prefix, !want, want)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// installIstioCRDs creates the two Istio security CRDs the node reads, with
+// a schema that keeps any field (Istio's own CRDs validate more).
+func installIstioCRDs(t *testing.T, cp *ControlPlane) {
+	t.Helper()
+	dyn := dynamic.NewForConfigOrDie(cp.AdminConfig)
+	crds := dyn.Resource(schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"})
+	for _, kind := range []string{"AuthorizationPolicy", "PeerAuthentication"} {
+		plural := strings.ToLower(kind) + "s"
+		if kind == "AuthorizationPolicy" {
+			plural = "authorizationpolicies"
+		}
+		crd := &unstructured.Unstructured{Object: map[string]any{
+			"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+			"metadata": map[string]any{"name": plural + ".security.istio.io"},
+			"spec": map[string]any{
+				"group": "security.istio.io", "scope": "Namespaced",
+				"names": map[string]any{"kind": kind, "plural": plural, "singular": strings.ToLower(kind), "listKind": kind + "List"},
+				"versions": []any{map[string]any{"name": "v1", "served": true, "storage": true,
+					"schema": map[string]any{"openAPIV3Schema": map[string]any{
+						"type": "object", "x-kubernetes-preserve-unknown-fields": true}}}},
+			},
+		}}
+		if _, err := crds.Create(context.Background(), crd, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
 }
