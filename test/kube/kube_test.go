@@ -2,9 +2,11 @@ package kube
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net"
+	"net/http"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -336,6 +338,26 @@ func TestKubernetes(t *testing.T) {
 		if hasLine(m1, accessLine(src)) {
 			t.Errorf("node 1 proxied the opted-out pod's connection from %s", src)
 		}
+		// /config_dump says which pods the node captures, and why not.
+		var dump struct {
+			Source struct {
+				Source    string
+				LocalPods []struct {
+					Pod    string
+					Mesh   bool
+					Reason string
+				}
+			}
+		}
+		getJSON(t, n1, "http://127.0.0.1:15000/config_dump", &dump)
+		got := map[string]string{}
+		for _, p := range dump.Source.LocalPods {
+			got[p.Pod] = fmt.Sprint(p.Mesh, " ", p.Reason)
+		}
+		want := map[string]string{"apps/client": "true ", "apps/opted": "false pod labelled istio.io/dataplane-mode=none", "live/livec": "true "}
+		if dump.Source.Source != "kubernetes" || fmt.Sprint(got) != fmt.Sprint(want) {
+			t.Errorf("config_dump source %q, local pods %v; want kubernetes, %v", dump.Source.Source, got, want)
+		}
 	})
 
 	t.Run("namespace label removed live", func(t *testing.T) {
@@ -647,5 +669,19 @@ func installIstioCRDs(t *testing.T, cp *ControlPlane) {
 		if _, err := crds.Create(context.Background(), crd, metav1.CreateOptions{}); err != nil {
 			t.Fatal(err)
 		}
+	}
+}
+
+// getJSON fetches url from inside node n and decodes its JSON body.
+func getJSON(t *testing.T, n *cluster.Node, url string, v any) {
+	t.Helper()
+	hc := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DialContext: n.Dial}}
+	resp, err := hc.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if err := json.NewDecoder(resp.Body).Decode(v); err != nil {
+		t.Fatalf("%s: %v", url, err)
 	}
 }
