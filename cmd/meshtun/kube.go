@@ -4,8 +4,8 @@ import (
 	"bytes"
 	"context"
 	"flag"
-	"io"
 	"fmt"
+	"io"
 	"strings"
 	"sync"
 
