@@ -6,7 +6,10 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
+
+	"golang.org/x/sys/unix"
 )
 
 // Sysctls records the kernel settings meshtun changed, to put them back.
@@ -59,7 +62,16 @@ func SetSysctls(tunName string, loose ...string) (*Sysctls, error) {
 			return nil
 		}
 		if err := writeSysctl(key, val); err != nil {
-			return err
+			// /proc/sys read-only (an unprivileged container): the TUN's
+			// own settings can still be set over netlink. They need no
+			// restoring: the device goes when meshtun closes it.
+			dev, ok := strings.CutPrefix(key, "net/ipv4/conf/"+tunName+"/")
+			idx, known := devconfKeys[dev]
+			if !ok || !known || !(errors.Is(err, unix.EROFS) || errors.Is(err, unix.EACCES)) {
+				return err
+			}
+			n, _ := strconv.ParseUint(val, 10, 32)
+			return setDevconf(tunName, map[uint16]uint32{idx: uint32(n)})
 		}
 		if old != val {
 			s.saved = append(s.saved, sysctl{key, old})

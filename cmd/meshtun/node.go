@@ -15,6 +15,7 @@ import (
 	"github.com/meshtun/meshtun/mesh/config"
 	"github.com/meshtun/meshtun/mesh/identity"
 	"github.com/meshtun/meshtun/mesh/node"
+	"github.com/meshtun/meshtun/mesh/registry"
 	"github.com/meshtun/meshtun/tun"
 )
 
@@ -28,9 +29,13 @@ func runNode(ctx context.Context, args []string) error {
 		hboneNetstack        bool
 		drain                time.Duration
 		procs                int
+		useKube              bool
+		kubeconfig           string
 	)
 	fs.StringVar(&path, "config", "/etc/meshtun/mesh.yaml", "the mesh config `file` (see docs/config.md)")
-	fs.StringVar(&name, "node", "", "this node's `name` in the config file (required)")
+	fs.StringVar(&name, "node", os.Getenv("NODE_NAME"), "this node's `name` (default $NODE_NAME): its entry in the config file, and with --kubernetes the spec.nodeName of its pods")
+	fs.BoolVar(&useKube, "kubernetes", false, "take the mesh (pods, services) from the Kubernetes API server; the config file gives node settings only (its \"default\" node entry for nodes it does not list)")
+	fs.StringVar(&kubeconfig, "kubeconfig", "", "with --kubernetes: the kubeconfig `file`; empty: the in-cluster service account")
 	fs.StringVar(&spireSocket, "spire-admin-socket", "", "`path` of the node's SPIRE agent admin socket: take the workloads' certificates from SPIRE's Delegated Identity API instead of `meshtun ca` (see docs/identity.md)")
 	fs.StringVar(&credDir, "credentials", "/var/lib/meshtun/node", "`directory` of this node's credential for `meshtun ca` (cert.pem, key.pem, roots.pem; made by `meshtun ca issue-node`)")
 	fs.BoolVar(&noIntercept, "no-intercept", false, "intercept nothing: every packet goes through the TUN verbatim (for measuring the TUN path alone)")
@@ -60,7 +65,7 @@ func runNode(ctx context.Context, args []string) error {
 		return nil
 	}
 	if name == "" {
-		return errors.New("-node is required")
+		return errors.New("-node (or the NODE_NAME environment variable) is required")
 	}
 	_, envSet := os.LookupEnv("GOMAXPROCS")
 	n := nodeProcs(procs, envSet, runtime.GOMAXPROCS(0))
@@ -73,17 +78,46 @@ func runNode(ctx context.Context, args []string) error {
 	for _, w := range c.Warnings {
 		log.Warn().Str("config", path).Msg(w)
 	}
-	nc, err := c.Node(name)
+	var nc *config.NodeConfig
+	if useKube {
+		nc, err = c.NodeOrDefault(name)
+	} else {
+		nc, err = c.Node(name)
+	}
 	if err != nil {
 		return err
 	}
-	mesh, err := c.Snapshot()
-	if err != nil {
-		return err
-	}
-	links, err := node.CaptureLinks(c, name)
-	if err != nil {
-		return err
+	var (
+		mesh    *registry.Snapshot
+		links   []tun.CaptureLink
+		updates <-chan *registry.Snapshot
+		status  func() any
+	)
+	if useKube {
+		// The file's capture links (rarely any) carry no pod sources here;
+		// the pods' own links are found from their routes.
+		for _, l := range nc.CaptureLinks {
+			links = append(links, tun.CaptureLink{Name: l})
+		}
+		snap, src, err := startKube(ctx, kubeconfig, name, c, log)
+		if err != nil {
+			if errors.Is(err, context.Canceled) {
+				return nil
+			}
+			return err
+		}
+		mesh, updates = snap, src.Updates()
+		status = func() any { return src.Status() }
+	} else {
+		if kubeconfig != "" {
+			return errors.New("--kubeconfig needs --kubernetes")
+		}
+		if mesh, err = c.Snapshot(); err != nil {
+			return err
+		}
+		if links, err = node.CaptureLinks(c, name); err != nil {
+			return err
+		}
 	}
 	ncfg := node.Config{
 		Name:            nc.Name,
@@ -100,6 +134,11 @@ func runNode(ctx context.Context, args []string) error {
 		ReadinessAddr:   nc.Listen.Readiness,
 		DrainPeriod:     drain,
 		Logger:          log,
+	}
+	if useKube {
+		// Node settings apply at start; the model follows the API server.
+		ncfg.ConfigPath = ""
+		ncfg.Updates, ncfg.CaptureByRoute, ncfg.Status = updates, true, status
 	}
 	switch {
 	case spireSocket != "":

@@ -396,6 +396,39 @@ func (c *Config) Node(name string) (*NodeConfig, error) {
 	return nil, fmt.Errorf("config %s: no node %q (nodes: %v)", c.Path, name, names)
 }
 
+// DefaultNodeName is the name of the node entry whose settings apply to
+// every node the file does not list by name (NodeOrDefault), for nodes
+// that come and go, as in a Kubernetes DaemonSet.
+const DefaultNodeName = "default"
+
+// NodeOrDefault returns the settings of the node called name, or else
+// those of the entry named DefaultNodeName (with Name set to name).
+func (c *Config) NodeOrDefault(name string) (*NodeConfig, error) {
+	if n, err := c.Node(name); err == nil {
+		return n, nil
+	}
+	n, err := c.Node(DefaultNodeName)
+	if err != nil {
+		return nil, fmt.Errorf("config %s: no node %q and no %q entry for unlisted nodes", c.Path, name, DefaultNodeName)
+	}
+	n.Name = name
+	return n, nil
+}
+
+// TrustDomainID returns the parsed TrustDomain.
+func (c *Config) TrustDomainID() spiffeid.TrustDomain { return c.td }
+
+// Policies returns the file's authorization policies, built.
+func (c *Config) Policies() []*policy.Policy { return c.policies }
+
+// DefaultPeerAuth returns the mesh-wide peer-authentication mode.
+func (c *Config) DefaultPeerAuth() registry.PeerAuth {
+	if c.PeerAuthentication == "STRICT" {
+		return registry.Strict
+	}
+	return registry.Permissive
+}
+
 // Snapshot builds the registry snapshot the config describes. Each call
 // returns a new snapshot.
 func (c *Config) Snapshot() (*registry.Snapshot, error) {

@@ -452,6 +452,11 @@ const LockFile = ".lock"
 func lockDir(dir string) (unlock func(), err error) {
 	path := filepath.Join(dir, LockFile)
 	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o600)
+	if errors.Is(err, unix.EROFS) {
+		// A read-only directory (a Kubernetes Secret volume): nobody can
+		// create a root in it, so readers need no lock.
+		return func() {}, nil
+	}
 	if err != nil {
 		return nil, fmt.Errorf("identity: CA lock %s: %w", path, err)
 	}

@@ -104,6 +104,7 @@ type configDump struct {
 	Policies     []*policy.Policy  `json:"policies"`
 	Certificates []certificateDump `json:"certificates"`
 	Connections  int               `json:"openConnections"`
+	Source       any               `json:"source,omitempty"`
 	Flows        int               `json:"flows"`
 }
 
@@ -173,6 +174,9 @@ func (n *node) configDump(w http.ResponseWriter, r *http.Request) {
 	}
 	if n.px != nil {
 		d.Connections = n.px.Open()
+	}
+	if n.cfg.Status != nil {
+		d.Source = n.cfg.Status()
 	}
 	if n.cls != nil {
 		d.Flows = n.cls.Len()

@@ -59,6 +59,18 @@ type Config struct {
 	// the watcher applies a content that differs from it. Zero applies the
 	// first content the watcher reads.
 	ConfigSum [sha256.Size]byte
+	// Updates, if set, delivers new models of the mesh (from the
+	// Kubernetes API server); each replaces the current one as a valid
+	// config reload does.
+	Updates <-chan *registry.Snapshot
+	// CaptureByRoute: each local mesh workload's host-side link is found
+	// from the node's route to its address (routed CNIs: kindnet, Calico,
+	// Cilium in routing mode) and captured with the workload's addresses
+	// as its sources, in addition to CaptureLinks.
+	CaptureByRoute bool
+	// Status, if set, is shown as "source" on /config_dump: what the model's
+	// source last saw.
+	Status func() any
 	// NoIntercept leaves every packet verbatim: the TUN is in the path but
 	// no flow is proxied. For measuring the TUN path alone.
 	NoIntercept bool
@@ -188,7 +200,8 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	n.sink = &spoofSink{dev: sinkDev, log: log}
 	go n.sink.run()
 	loose := []string{sinkDev.Name()} // see tun.SetSysctls: capture links cannot be strict
-	for _, l := range cfg.CaptureLinks {
+	links, _ := n.captureLinks(cfg.CaptureLinks, locals)
+	for _, l := range links {
 		loose = append(loose, l.Name)
 	}
 	sys, err := tun.SetSysctls(dev.Name(), loose...)
@@ -278,7 +291,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	}
 
 	routes, err = tun.InstallRouting(dev, sinkDev, tun.RoutingConfig{
-		CaptureLinks: cfg.CaptureLinks,
+		CaptureLinks: links,
 		PodPrefixes:  podPrefixes(locals),
 	})
 	if err != nil {
@@ -303,10 +316,13 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	if cfg.ConfigPath != "" {
 		go watchConfig(runCtx, cfg.ConfigPath, n, log)
 	}
+	if cfg.Updates != nil {
+		go n.follow(runCtx, cfg.Updates)
+	}
 
 	n.ready.Store(true)
 	var linkNames []string
-	for _, l := range cfg.CaptureLinks {
+	for _, l := range links {
 		linkNames = append(linkNames, l.Name)
 	}
 	log.Info().Str("node", cfg.Name).Str("tun", dev.Name()).Int("mtu", dev.MTU()).
@@ -342,10 +358,14 @@ type node struct {
 	st      *stack.Stack
 	px      *proxy.Proxy
 	hl      *hboneListeners
-	routes  *tun.Routing
-	local   *tun.LocalDelivery // nil: inbound HBONE on the netstack
-	sink    *spoofSink
-	ready   atomic.Bool
+
+	captureMu    sync.Mutex      // capture updates, from the config watcher or the source
+	bridgeWarned bool            // CaptureByRoute found a bridge CNI; said so once
+	noRoute      map[string]bool // CaptureByRoute: local workloads without a host route, logged once
+	routes       *tun.Routing
+	local        *tun.LocalDelivery // nil: inbound HBONE on the netstack
+	sink         *spoofSink
+	ready        atomic.Bool
 }
 
 // podPrefixes returns the host prefixes of the workloads' addresses.
@@ -581,9 +601,25 @@ func syncSVIDs(ctx context.Context, src svidSet, want []*registry.Workload, log 
 // apply installs a new mesh model from a reloaded config.
 func (n *node) apply(ctx context.Context, c *config.Config, snap *registry.Snapshot) {
 	path := c.Path
+	links, err := CaptureLinks(c, n.cfg.Name)
+	if err != nil {
+		n.log.Error().Err(err).Str("config", path).Msg("config reload: this node is gone from the file; capture unchanged")
+	}
+	closed, removed, _ := n.install(ctx, snap, links, err == nil)
+	n.log.Info().Str("config", path).Int("workloads", len(snap.Workloads)).Int("services", len(snap.Services)).
+		Int("policies", len(snap.Policies)).Int("certificates_removed", removed).Int("connections_closed", closed).Msg("config reloaded")
+}
+
+// install makes snap the current model: certificates for new local
+// workloads first, so that a new workload can handshake at once, then the
+// snapshot, then old certificates go; then (if updateCapture) capture
+// follows the node's workloads: pods added to this node are captured from
+// now on, rules added before old ones go; last the open connections are
+// re-authorized. It returns how many connections were closed and
+// certificates removed, and whether every local workload's host link was
+// found (with CaptureByRoute).
+func (n *node) install(ctx context.Context, snap *registry.Snapshot, links []tun.CaptureLink, updateCapture bool) (closed, removed int, complete bool) {
 	locals := localWorkloads(snap, n.cfg.Name)
-	// New identities first, so that a new workload can handshake at once;
-	// old ones go after the model that stops using them is in force.
 	ids := make([]spiffeid.ID, len(locals))
 	for i, w := range locals {
 		ids[i] = w.Identity
@@ -593,19 +629,105 @@ func (n *node) apply(ctx context.Context, c *config.Config, snap *registry.Snaps
 	}
 	n.reg.Store(snap)
 	n.hl.sync(locals)
-	removed := syncSVIDs(ctx, n.svids, locals, n.log)
-	// Capture follows the node's workloads: pods added to this node
-	// are captured from now on (rules added before old ones go).
-	if links, err := CaptureLinks(c, n.cfg.Name); err != nil {
-		n.log.Error().Err(err).Str("config", path).Msg("config reload: this node is gone from the file; capture unchanged")
-	} else if err := n.routes.Update(links, podPrefixes(locals)); err != nil {
-		n.log.Error().Err(err).Msg("config reload: update capture rules")
-	} else if n.local != nil {
-		if err := n.local.Update(podAddrs(locals)); err != nil {
-			n.log.Error().Err(err).Msg("config reload: update HBONE local-delivery rules")
+	removed = syncSVIDs(ctx, n.svids, locals, n.log)
+	complete = true
+	if updateCapture {
+		n.captureMu.Lock()
+		var all []tun.CaptureLink
+		all, complete = n.captureLinks(links, locals)
+		if err := n.routes.Update(all, podPrefixes(locals)); err != nil {
+			n.log.Error().Err(err).Msg("update capture rules")
+		} else if n.local != nil {
+			if err := n.local.Update(podAddrs(locals)); err != nil {
+				n.log.Error().Err(err).Msg("update HBONE local-delivery rules")
+			}
+		}
+		n.captureMu.Unlock()
+	}
+	return n.px.Reauthorize(), removed, complete
+}
+
+// captureLinks returns links plus, with CaptureByRoute, the host-side
+// links of the local mesh workloads found from their routes, each with
+// its workloads' addresses as sources, and whether every workload had one.
+// A bridge CNI is reported once: its pods' links are not captured (that
+// would capture every pod on the bridge).
+func (n *node) captureLinks(links []tun.CaptureLink, locals []*registry.Workload) ([]tun.CaptureLink, bool) {
+	if !n.cfg.CaptureByRoute {
+		return links, true
+	}
+	var addrs []netip.Addr
+	for _, w := range locals {
+		addrs = append(addrs, w.Addresses...)
+	}
+	found, err := tun.HostLinks(addrs)
+	if err != nil {
+		n.log.Error().Err(err).Msg("find the pods' host links")
+		return links, false
+	}
+	out := append([]tun.CaptureLink(nil), links...)
+	index := map[string]int{}
+	for i, l := range out {
+		index[l.Name] = i
+	}
+	complete := true
+	missing := map[string]bool{}
+	for _, w := range locals {
+		var link *tun.HostLink
+		for _, a := range w.Addresses {
+			if hl, ok := found[a.Unmap()]; ok {
+				link = &hl
+				break
+			}
+		}
+		switch {
+		case link == nil:
+			complete = false
+			missing[w.String()] = true
+			if !n.noRoute[w.String()] {
+				n.log.Warn().Str("workload", w.String()).Msg("no route to the pod on this node yet: its outbound traffic is not captured until one appears")
+			}
+		case link.Bridge:
+			if !n.bridgeWarned {
+				n.bridgeWarned = true
+				n.log.Error().Str("workload", w.String()).Str("bridge", link.Name).Str("route", link.Route.String()).
+					Msg("bridge CNI detected: pods on one Linux bridge reach each other without the node routing them, " +
+						"so meshtun cannot capture them by link; traffic from other nodes to the pods is still captured, " +
+						"traffic the pods send is not. Use a routed CNI (kindnet, Calico, Cilium in routing mode)")
+			}
+		default:
+			i, ok := index[link.Name]
+			if !ok {
+				i = len(out)
+				index[link.Name] = i
+				out = append(out, tun.CaptureLink{Name: link.Name})
+			}
+			out[i].Sources = append(out[i].Sources, w.Addresses...)
 		}
 	}
-	closed := n.px.Reauthorize()
-	n.log.Info().Str("config", path).Int("workloads", len(snap.Workloads)).Int("services", len(snap.Services)).
-		Int("policies", len(snap.Policies)).Int("certificates_removed", removed).Int("connections_closed", closed).Msg("config reloaded")
+	n.noRoute = missing
+	return out, complete
+}
+
+// follow applies each model from updates (the Kubernetes source). While a
+// local workload has no host route yet, capture is retried every second.
+func (n *node) follow(ctx context.Context, updates <-chan *registry.Snapshot) {
+	var retry <-chan time.Time
+	for {
+		var snap *registry.Snapshot
+		select {
+		case <-ctx.Done():
+			return
+		case snap = <-updates:
+		case <-retry:
+			snap = n.reg.Load()
+		}
+		closed, _, complete := n.install(ctx, snap, n.cfg.CaptureLinks, true)
+		retry = nil
+		if !complete {
+			retry = time.After(time.Second)
+		}
+		n.log.Debug().Int("workloads", len(snap.Workloads)).Int("services", len(snap.Services)).
+			Int("local", len(localWorkloads(snap, n.cfg.Name))).Int("connections_closed", closed).Msg("mesh model updated")
+	}
 }

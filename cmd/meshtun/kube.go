@@ -1,0 +1,92 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"strings"
+	"sync"
+
+	"github.com/rs/zerolog"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/klog/v2"
+
+	"github.com/meshtun/meshtun/mesh/config"
+	"github.com/meshtun/meshtun/mesh/kube"
+	"github.com/meshtun/meshtun/mesh/registry"
+)
+
+// startKube connects to the API server (in-cluster, or kubeconfig if
+// set), waits for the informers and returns the first mesh model and the
+// source that follows the API server from then on.
+func startKube(ctx context.Context, kubeconfig, nodeName string, c *config.Config, log zerolog.Logger) (*registry.Snapshot, *kube.Source, error) {
+	klogToZerolog(log)
+	var rc *rest.Config
+	var err error
+	if kubeconfig != "" {
+		rc, err = clientcmd.BuildConfigFromFlags("", kubeconfig)
+	} else {
+		rc, err = rest.InClusterConfig()
+	}
+	if err != nil {
+		return nil, nil, fmt.Errorf("kubernetes: %w", err)
+	}
+	rc.UserAgent = "meshtun/" + nodeName
+	cs, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		return nil, nil, fmt.Errorf("kubernetes: %w", err)
+	}
+	dyn, err := dynamic.NewForConfig(rc)
+	if err != nil {
+		return nil, nil, fmt.Errorf("kubernetes: %w", err)
+	}
+	if len(c.Workloads) > 0 || len(c.Services) > 0 {
+		log.Warn().Str("config", c.Path).Msg("with --kubernetes the workloads and services of the config file are ignored: the API server's pods and services are the mesh")
+	}
+	src := kube.New(kube.Config{
+		Client: cs, Dynamic: dyn, Discovery: cs.Discovery(), Node: nodeName,
+		TrustDomain: c.TrustDomainID(), RootNamespace: c.RootNamespace, DomainSuffix: c.ClusterDomain,
+		PeerAuth: c.DefaultPeerAuth(), Policies: c.Policies(), Logger: log,
+	})
+	log.Info().Str("server", rc.Host).Str("node", nodeName).Msg("kubernetes: connecting")
+	snap, err := src.Start(ctx)
+	if err != nil {
+		return nil, nil, err
+	}
+	return snap, src, nil
+}
+
+var klogOnce sync.Once
+
+// klogToZerolog sends client-go's klog output into the node's log as
+// warnings (client-go logs failed watches, 403s and retries there).
+func klogToZerolog(log zerolog.Logger) {
+	klogOnce.Do(func() {
+		fs := flag.NewFlagSet("klog", flag.ContinueOnError)
+		klog.InitFlags(fs)
+		fs.Set("logtostderr", "false")
+		fs.Set("alsologtostderr", "false")
+		fs.Set("stderrthreshold", "FATAL")
+		// klog writes a message to the output of its severity and of
+		// every lower one: only INFO's output goes to the log, so each
+		// message appears once.
+		klog.SetOutput(io.Discard)
+		klog.SetOutputBySeverity("INFO", klogWriter{log.With().Str("log", "client-go").Logger()})
+	})
+}
+
+type klogWriter struct{ log zerolog.Logger }
+
+func (w klogWriter) Write(p []byte) (int, error) {
+	for _, line := range bytes.Split(bytes.TrimRight(p, "\n"), []byte("\n")) {
+		if s := strings.TrimSpace(string(line)); s != "" {
+			w.log.Warn().Msg(s)
+		}
+	}
+	return len(p), nil
+}

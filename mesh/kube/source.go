@@ -1,0 +1,552 @@
+// Package kube builds the mesh model from a Kubernetes API server: pods
+// become workloads, Services with their EndpointSlices become services, and
+// Istio ambient's labels decide which pods are in the mesh. It watches the
+// API server with client-go shared informers and delivers a new
+// registry.Snapshot after every change, the same snapshot the config file
+// builds, so the proxy does not know where its model came from.
+//
+// Enrollment follows Istio ambient: a pod is in the mesh when its
+// namespace is labelled istio.io/dataplane-mode=ambient and the pod is not
+// labelled istio.io/dataplane-mode=none. Pods of other namespaces are still
+// workloads (known to services and policies, reached in plaintext).
+// hostNetwork pods are never workloads: their addresses are the node's.
+package kube
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"slices"
+	"sort"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/rs/zerolog"
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/client-go/discovery"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	listerscorev1 "k8s.io/client-go/listers/core/v1"
+	listersdiscoveryv1 "k8s.io/client-go/listers/discovery/v1"
+	"k8s.io/client-go/tools/cache"
+
+	"github.com/meshtun/meshtun/mesh/policy"
+	"github.com/meshtun/meshtun/mesh/registry"
+)
+
+// Istio ambient's enrollment label and its values.
+const (
+	DataplaneModeLabel = "istio.io/dataplane-mode"
+	ModeAmbient        = "ambient"
+	ModeNone           = "none"
+)
+
+// Config configures a Source.
+type Config struct {
+	// Client talks to the API server.
+	Client kubernetes.Interface
+	// Dynamic and Discovery, if set, read Istio's AuthorizationPolicy and
+	// PeerAuthentication (security.istio.io/v1) when their CRDs are
+	// installed; without them the CRDs are not read.
+	Dynamic   dynamic.Interface
+	Discovery discovery.DiscoveryInterface
+	// Node is this node's name (for status: which pods are local).
+	Node string
+	// TrustDomain, RootNamespace and DomainSuffix are the registry
+	// model's (from the node's config file).
+	TrustDomain   spiffeid.TrustDomain
+	RootNamespace string
+	DomainSuffix  string
+	// PeerAuth is the mesh-wide default peer-authentication mode.
+	PeerAuth registry.PeerAuth
+	// Policies are authorization policies from the config file, added to
+	// every snapshot.
+	Policies []*policy.Policy
+	// Resync is the informers' resync period; 0 means none.
+	Resync time.Duration
+	Logger zerolog.Logger
+}
+
+// Source watches the API server and builds snapshots of the mesh.
+type Source struct {
+	cfg     Config
+	log     zerolog.Logger
+	factory informers.SharedInformerFactory
+	pods    listerscorev1.PodLister
+	nss     listerscorev1.NamespaceLister
+	svcs    listerscorev1.ServiceLister
+	slices  listersdiscoveryv1.EndpointSliceLister
+	synced  []cache.InformerSynced
+	dirty   chan struct{}
+	updates chan *registry.Snapshot
+	istio   *istio // nil without Config.Dynamic
+
+	mu     sync.Mutex
+	status Status
+	last   map[string]string // pod key → last logged skip reason / "captured"
+}
+
+// Status is what the source last built, for /config_dump.
+type Status struct {
+	// Source is "kubernetes".
+	Source string `json:"source"`
+	// Built is when the last snapshot was built; Builds counts them.
+	Built  time.Time `json:"built"`
+	Builds int       `json:"builds"`
+	// LastError is the last build failure (the previous model stays).
+	LastError string `json:"lastError,omitempty"`
+	// LocalPods are this node's pods: captured, or skipped and why.
+	LocalPods []PodStatus `json:"localPods"`
+	// Workloads and Services count the model's.
+	Workloads int `json:"workloads"`
+	Services  int `json:"services"`
+}
+
+// PodStatus is one pod of the node.
+type PodStatus struct {
+	Pod string `json:"pod"`
+	// Mesh: the pod is a mesh workload (captured).
+	Mesh bool `json:"mesh"`
+	// Reason says why a pod is not in the mesh.
+	Reason string `json:"reason,omitempty"`
+}
+
+// New returns a source; Start starts it.
+func New(cfg Config) *Source {
+	if cfg.RootNamespace == "" {
+		cfg.RootNamespace = registry.DefaultRootNamespace
+	}
+	f := informers.NewSharedInformerFactory(cfg.Client, cfg.Resync)
+	s := &Source{
+		cfg: cfg, log: cfg.Logger.With().Str("source", "kubernetes").Logger(), factory: f,
+		dirty: make(chan struct{}, 1), updates: make(chan *registry.Snapshot, 1),
+		last: map[string]string{},
+	}
+	h := cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(any) { s.changed() },
+		UpdateFunc: func(any, any) { s.changed() },
+		DeleteFunc: func(any) { s.changed() },
+	}
+	for _, inf := range []cache.SharedIndexInformer{
+		f.Core().V1().Pods().Informer(),
+		f.Core().V1().Namespaces().Informer(),
+		f.Core().V1().Services().Informer(),
+		f.Discovery().V1().EndpointSlices().Informer(),
+	} {
+		inf.AddEventHandler(h)
+		s.synced = append(s.synced, inf.HasSynced)
+	}
+	if cfg.Dynamic != nil && cfg.Discovery != nil {
+		s.istio = &istio{dyn: cfg.Dynamic, disc: cfg.Discovery}
+	}
+	s.pods = f.Core().V1().Pods().Lister()
+	s.nss = f.Core().V1().Namespaces().Lister()
+	s.svcs = f.Core().V1().Services().Lister()
+	s.slices = f.Discovery().V1().EndpointSlices().Lister()
+	return s
+}
+
+func (s *Source) changed() {
+	select {
+	case s.dirty <- struct{}{}:
+	default:
+	}
+}
+
+// Start starts the informers, waits until their caches hold the API
+// server's state (or ctx ends) and returns the first snapshot. From then
+// on, until ctx ends, every change produces a new snapshot on Updates;
+// changes that arrive while one is built are folded into the next.
+func (s *Source) Start(ctx context.Context) (*registry.Snapshot, error) {
+	s.factory.Start(ctx.Done())
+	s.log.Info().Msg("waiting for the API server's pods, namespaces, services and endpoint slices")
+	synced := append(s.synced, s.startIstio(ctx)...)
+	if !cache.WaitForCacheSync(ctx.Done(), synced...) {
+		return nil, fmt.Errorf("kube: informers did not sync: %w", context.Cause(ctx))
+	}
+	// The first build sees everything synced so far.
+	select {
+	case <-s.dirty:
+	default:
+	}
+	snap, err := s.Build()
+	if err != nil {
+		return nil, err
+	}
+	go s.run(ctx)
+	return snap, nil
+}
+
+// Updates delivers the snapshots built after Start's. Only the newest
+// matters: an unread one is replaced.
+func (s *Source) Updates() <-chan *registry.Snapshot { return s.updates }
+
+func (s *Source) run(ctx context.Context) {
+	defer s.factory.Shutdown()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-s.dirty:
+		}
+		snap, err := s.Build()
+		if err != nil {
+			continue // logged by Build; the last good model stays
+		}
+		select { // replace an unread snapshot
+		case <-s.updates:
+		default:
+		}
+		s.updates <- snap
+	}
+}
+
+// Status returns what the last build saw.
+func (s *Source) Status() Status {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	st := s.status
+	st.LocalPods = slices.Clone(st.LocalPods)
+	return st
+}
+
+// Build builds a snapshot from the informers' caches.
+func (s *Source) Build() (*registry.Snapshot, error) {
+	m, local, err := s.model()
+	var snap *registry.Snapshot
+	if err == nil {
+		snap, err = registry.Build(m)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.status.Source = "kubernetes"
+	s.status.Built = time.Now()
+	s.status.Builds++
+	if err != nil {
+		s.status.LastError = err.Error()
+		s.log.Error().Err(err).Msg("cannot build the mesh model; keeping the last good one")
+		return nil, err
+	}
+	s.status.LastError = ""
+	s.status.LocalPods = local
+	s.status.Workloads = len(m.Workloads)
+	s.status.Services = len(m.Services)
+	s.logChanges(local)
+	return snap, nil
+}
+
+// logChanges logs each local pod whose capture state changed since the
+// last build, once.
+func (s *Source) logChanges(local []PodStatus) {
+	seen := make(map[string]bool, len(local))
+	for _, p := range local {
+		seen[p.Pod] = true
+		state := "captured"
+		if !p.Mesh {
+			state = p.Reason
+		}
+		if s.last[p.Pod] == state {
+			continue
+		}
+		s.last[p.Pod] = state
+		if p.Mesh {
+			s.log.Info().Str("pod", p.Pod).Msg("pod in the mesh")
+		} else {
+			s.log.Info().Str("pod", p.Pod).Str("reason", p.Reason).Msg("pod not in the mesh")
+		}
+	}
+	for k := range s.last {
+		if !seen[k] {
+			delete(s.last, k)
+			s.log.Info().Str("pod", k).Msg("pod gone from this node")
+		}
+	}
+}
+
+// model builds the registry model from the caches, and the status of this
+// node's pods.
+func (s *Source) model() (registry.Model, []PodStatus, error) {
+	m := registry.Model{
+		TrustDomain: s.cfg.TrustDomain, RootNamespace: s.cfg.RootNamespace,
+		DomainSuffix: s.cfg.DomainSuffix,
+		Policies:     append(slices.Clone(s.cfg.Policies), s.policies()...),
+	}
+	pa := s.peerAuthIndex()
+	nsList, err := s.nss.List(labels.Everything())
+	if err != nil {
+		return m, nil, err
+	}
+	enrolled := make(map[string]bool, len(nsList))
+	for _, ns := range nsList {
+		enrolled[ns.Name] = ns.Labels[DataplaneModeLabel] == ModeAmbient
+	}
+	pods, err := s.pods.List(labels.Everything())
+	if err != nil {
+		return m, nil, err
+	}
+	// Oldest first: when two pods claim an address (a deleted pod not yet
+	// gone and a new one with its IP), the order decides, the same way on
+	// every node.
+	sort.Slice(pods, func(i, j int) bool {
+		a, b := pods[i], pods[j]
+		if !a.CreationTimestamp.Equal(&b.CreationTimestamp) {
+			return a.CreationTimestamp.Before(&b.CreationTimestamp)
+		}
+		return a.Namespace+"/"+a.Name < b.Namespace+"/"+b.Name
+	})
+	var local []PodStatus
+	owner := map[netip.Addr]string{}
+	byPod := map[registry.WorkloadRef]*registry.Workload{}
+	for _, p := range pods {
+		key := p.Namespace + "/" + p.Name
+		w, reason := s.workload(p, enrolled, owner, pa)
+		if p.Spec.NodeName == s.cfg.Node && !p.Spec.HostNetwork {
+			ps := PodStatus{Pod: key, Mesh: w != nil && w.InMesh, Reason: reason}
+			if w != nil && !w.InMesh {
+				ps.Reason = notInMeshReason(p, enrolled[p.Namespace])
+			}
+			local = append(local, ps)
+		}
+		if w == nil {
+			continue
+		}
+		for _, a := range w.Addresses {
+			owner[a] = key
+		}
+		byPod[registry.WorkloadRef{Namespace: w.Namespace, Name: w.Name}] = w
+		m.Workloads = append(m.Workloads, w)
+	}
+	svcs, err := s.svcs.List(labels.Everything())
+	if err != nil {
+		return m, nil, err
+	}
+	sort.Slice(svcs, func(i, j int) bool {
+		return svcs[i].Namespace+"/"+svcs[i].Name < svcs[j].Namespace+"/"+svcs[j].Name
+	})
+	vipOwner := map[netip.Addr]string{}
+	for _, svc := range svcs {
+		rs := s.service(svc, byPod, owner, vipOwner)
+		if rs == nil {
+			continue
+		}
+		for _, v := range rs.VIPs {
+			vipOwner[v] = svc.Namespace + "/" + svc.Name
+		}
+		m.Services = append(m.Services, rs)
+	}
+	return m, local, nil
+}
+
+// notInMeshReason says why a workload pod is not in the mesh.
+func notInMeshReason(p *corev1.Pod, nsEnrolled bool) string {
+	if p.Labels[DataplaneModeLabel] == ModeNone {
+		return "pod labelled " + DataplaneModeLabel + "=" + ModeNone
+	}
+	if !nsEnrolled {
+		return "namespace not labelled " + DataplaneModeLabel + "=" + ModeAmbient
+	}
+	return "not enrolled"
+}
+
+// workload returns the workload of pod p, or nil and why not.
+func (s *Source) workload(p *corev1.Pod, enrolled map[string]bool, owner map[netip.Addr]string, pa *peerAuthIndex) (*registry.Workload, string) {
+	switch {
+	case p.Spec.HostNetwork:
+		return nil, "hostNetwork"
+	case p.Status.Phase != corev1.PodRunning:
+		return nil, "phase " + string(p.Status.Phase)
+	}
+	w := &registry.Workload{
+		Name: p.Name, Namespace: p.Namespace, ServiceAccount: p.Spec.ServiceAccountName,
+		Node: p.Spec.NodeName, Labels: p.Labels,
+		InMesh: enrolled[p.Namespace] && p.Labels[DataplaneModeLabel] != ModeNone,
+		Health: registry.Unhealthy,
+	}
+	ips := p.Status.PodIPs
+	if len(ips) == 0 && p.Status.PodIP != "" {
+		ips = []corev1.PodIP{{IP: p.Status.PodIP}}
+	}
+	for _, ip := range ips {
+		a, err := netip.ParseAddr(ip.IP)
+		if err != nil {
+			s.log.Warn().Str("pod", p.Namespace+"/"+p.Name).Str("ip", ip.IP).Msg("pod IP is not an IP address; ignored")
+			continue
+		}
+		a = a.Unmap()
+		if other, taken := owner[a]; taken {
+			return nil, "address " + a.String() + " still belongs to pod " + other
+		}
+		w.Addresses = append(w.Addresses, a)
+	}
+	if len(w.Addresses) == 0 {
+		return nil, "no pod IP yet"
+	}
+	for _, c := range p.Status.Conditions {
+		if c.Type == corev1.PodReady && c.Status == corev1.ConditionTrue {
+			w.Health = registry.Healthy
+		}
+	}
+	w.ProbePorts = probePorts(p)
+	pa.apply(w)
+	return w, ""
+}
+
+// probePorts returns the ports of the pod's readiness, liveness and
+// startup probes (HTTP, TCP and gRPC; named ports resolved by the
+// container's ports), which the kubelet reaches from the node.
+func probePorts(p *corev1.Pod) []uint16 {
+	var out []uint16
+	add := func(port uint16) {
+		if port != 0 && !slices.Contains(out, port) {
+			out = append(out, port)
+		}
+	}
+	for _, c := range slices.Concat(p.Spec.InitContainers, p.Spec.Containers) {
+		for _, pr := range []*corev1.Probe{c.ReadinessProbe, c.LivenessProbe, c.StartupProbe} {
+			if pr == nil {
+				continue
+			}
+			switch {
+			case pr.HTTPGet != nil:
+				add(containerPort(c, pr.HTTPGet.Port))
+			case pr.TCPSocket != nil:
+				add(containerPort(c, pr.TCPSocket.Port))
+			case pr.GRPC != nil:
+				add(uint16(pr.GRPC.Port))
+			}
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+// containerPort resolves a probe's port, by number or by the name of one
+// of c's ports; 0 if it names none.
+func containerPort(c corev1.Container, port intstr.IntOrString) uint16 {
+	if port.Type == intstr.Int {
+		return uint16(port.IntVal)
+	}
+	for _, cp := range c.Ports {
+		if cp.Name == port.StrVal {
+			return uint16(cp.ContainerPort)
+		}
+	}
+	return 0
+}
+
+// service returns the registry service of svc with its ready endpoints
+// from its EndpointSlices, or nil for a service the mesh does not handle
+// (headless, ExternalName, no cluster IP).
+func (s *Source) service(svc *corev1.Service, byPod map[registry.WorkloadRef]*registry.Workload, owner map[netip.Addr]string, vipOwner map[netip.Addr]string) *registry.Service {
+	if svc.Spec.Type == corev1.ServiceTypeExternalName {
+		return nil
+	}
+	key := svc.Namespace + "/" + svc.Name
+	rs := &registry.Service{
+		Name: svc.Name, Namespace: svc.Namespace,
+		PreferSameNode: svc.Spec.TrafficDistribution != nil && *svc.Spec.TrafficDistribution == corev1.ServiceTrafficDistributionPreferSameNode,
+	}
+	ips := svc.Spec.ClusterIPs
+	if len(ips) == 0 && svc.Spec.ClusterIP != "" {
+		ips = []string{svc.Spec.ClusterIP}
+	}
+	for _, ip := range ips {
+		if ip == corev1.ClusterIPNone {
+			return nil
+		}
+		a, err := netip.ParseAddr(ip)
+		if err != nil {
+			s.log.Warn().Str("service", key).Str("ip", ip).Msg("cluster IP is not an IP address; ignored")
+			continue
+		}
+		a = a.Unmap()
+		if o, ok := owner[a]; ok {
+			s.log.Warn().Str("service", key).Str("ip", a.String()).Str("pod", o).Msg("cluster IP is a pod's address; ignored")
+			continue
+		}
+		if o, ok := vipOwner[a]; ok {
+			s.log.Warn().Str("service", key).Str("ip", a.String()).Str("other", o).Msg("cluster IP of two services; ignored")
+			continue
+		}
+		rs.VIPs = append(rs.VIPs, a)
+	}
+	if len(rs.VIPs) == 0 {
+		return nil
+	}
+	slices, err := s.slices.EndpointSlices(svc.Namespace).List(labels.SelectorFromSet(labels.Set{discoveryv1.LabelServiceName: svc.Name}))
+	if err != nil {
+		return nil
+	}
+	sort.Slice(slices, func(i, j int) bool { return slices[i].Name < slices[j].Name })
+	members := map[registry.WorkloadRef]bool{}
+	for _, sp := range svc.Spec.Ports {
+		if sp.Protocol != "" && sp.Protocol != corev1.ProtocolTCP {
+			continue
+		}
+		p := registry.ServicePort{Name: sp.Name, Port: uint16(sp.Port), TargetPort: targetPort(sp, slices, key, s.log)}
+		if p.Port == 0 {
+			continue
+		}
+		rs.Ports = append(rs.Ports, p)
+	}
+	for _, sl := range slices {
+		for _, ep := range sl.Endpoints {
+			if ep.Conditions.Ready != nil && !*ep.Conditions.Ready {
+				continue
+			}
+			if ep.TargetRef == nil || ep.TargetRef.Kind != "Pod" {
+				continue // not a pod: the mesh has no workload for it
+			}
+			ns := ep.TargetRef.Namespace
+			if ns == "" {
+				ns = svc.Namespace
+			}
+			ref := registry.WorkloadRef{Namespace: ns, Name: ep.TargetRef.Name}
+			if byPod[ref] == nil || members[ref] {
+				continue
+			}
+			members[ref] = true
+			rs.Workloads = append(rs.Workloads, ref)
+		}
+	}
+	return rs
+}
+
+// targetPort resolves a service port's target: a number as is, a name by
+// the EndpointSlices (which carry, per slice, the port the name resolves
+// to on its endpoints). 0 means the service port.
+//
+// TODO: the registry holds one target port per service port; endpoints
+// whose pods resolve a name to different numbers get the first slice's.
+func targetPort(sp corev1.ServicePort, slices []*discoveryv1.EndpointSlice, svc string, log zerolog.Logger) uint16 {
+	if sp.TargetPort.IntVal != 0 {
+		return uint16(sp.TargetPort.IntVal)
+	}
+	if sp.TargetPort.StrVal == "" {
+		return 0
+	}
+	if n, err := strconv.Atoi(sp.TargetPort.StrVal); err == nil {
+		return uint16(n)
+	}
+	var found uint16
+	for _, sl := range slices {
+		for _, p := range sl.Ports {
+			if p.Name == nil || *p.Name != sp.Name || p.Port == nil {
+				continue
+			}
+			n := uint16(*p.Port)
+			if found != 0 && n != found {
+				log.Warn().Str("service", svc).Str("port", sp.Name).Msg("a named target port resolves to different ports on different endpoints; using the first")
+				return found
+			}
+			found = n
+		}
+	}
+	return found
+}
