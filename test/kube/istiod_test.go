@@ -1,0 +1,274 @@
+package kube
+
+import (
+	"context"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	authv1 "k8s.io/api/authentication/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/dynamic"
+
+	"github.com/meshtun/meshtun/test/cluster"
+	"github.com/meshtun/meshtun/test/noderun"
+)
+
+// redirected marks a pod the way istio-cni does once it has redirected
+// the pod's traffic to the node proxy: istiod tells node proxies to reach
+// only such pods over HBONE. The test plays istio-cni here, as it plays
+// the kubelet.
+func (k kubelet) redirected(ns, name string) {
+	k.t.Helper()
+	patch := []byte(`{"metadata":{"annotations":{"ambient.istio.io/redirection":"enabled"}}}`)
+	if _, err := k.cs.CoreV1().Pods(ns).Patch(context.Background(), name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+		k.t.Fatal(err)
+	}
+}
+
+// istiodT builds (once, cached) and starts istiod against cp.
+func istiodT(t *testing.T, cp *ControlPlane, trusted ...string) *Istiod {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Minute)
+	defer cancel()
+	start := time.Now()
+	bin, err := BuildIstiod(ctx, t.Logf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d := time.Since(start); d > time.Minute {
+		t.Logf("pilot-discovery was built in %s (cold)", d.Round(time.Second))
+	}
+	sctx, scancel := context.WithTimeout(ctx, 2*time.Minute)
+	defer scancel()
+	d, err := cp.StartIstiod(sctx, bin, IstiodConfig{TrustedNodeAccounts: trusted})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("istiod log:\n%s", d.LogTail(80))
+		}
+		d.Stop()
+	})
+	return d
+}
+
+// istiodFiles writes what a meshtun pod in place of ztunnel has mounted:
+// the istio-ca-root-cert ConfigMap istiod puts in every namespace, and a
+// projected token of the node's service account with audience istio-ca.
+func istiodFiles(t *testing.T, cp *ControlPlane, dir string) (root, token string) {
+	t.Helper()
+	ctx := context.Background()
+	deadline := time.Now().Add(time.Minute)
+	for { // istiod's namespace controller writes it; no watch for one object
+		cm, err := cp.Admin.CoreV1().ConfigMaps("meshtun-system").Get(ctx, "istio-ca-root-cert", metav1.GetOptions{})
+		if err == nil && cm.Data["root-cert.pem"] != "" {
+			root = filepath.Join(dir, "root-cert.pem")
+			if err := os.WriteFile(root, []byte(cm.Data["root-cert.pem"]), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("istiod wrote no istio-ca-root-cert ConfigMap into meshtun-system: %v", err)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	tok, err := cp.Admin.CoreV1().ServiceAccounts("meshtun-system").CreateToken(ctx, "meshtun",
+		&authv1.TokenRequest{Spec: authv1.TokenRequestSpec{Audiences: []string{"istio-ca"}, ExpirationSeconds: new(int64(3600))}}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	token = filepath.Join(dir, "istio-token")
+	if err := os.WriteFile(token, []byte(tok.Status.Token), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return root, token
+}
+
+var authzGVR = schema.GroupVersionResource{Group: "security.istio.io", Version: "v1", Resource: "authorizationpolicies"}
+
+// TestIstiod runs meshtun on two nodes in place of ztunnel, with the mesh
+// model from a real istiod (delta xDS) that watches a real API server.
+//
+// It needs istiod's pilot-discovery, built once into the cache (20 minutes
+// or more cold): it runs when MESHTUN_TEST_ISTIOD=1 or when the binary is
+// already cached.
+func TestIstiod(t *testing.T) {
+	if os.Getenv("MESHTUN_TEST_ISTIOD") != "1" {
+		if dir, err := CacheDir(); err != nil || !exists(filepath.Join(dir, "bin", "pilot-discovery-"+IstioVersion)) {
+			t.Skip("pilot-discovery is not cached; MESHTUN_TEST_ISTIOD=1 builds it (20+ minutes cold)")
+		}
+	}
+	c := cluster.NewT(t, cluster.Spec{Name: "istd", Nodes: 2, PodsPerNode: 2})
+	cp := controlPlaneT(t, c)
+	ctx := context.Background()
+	ms := applyDeploy(t, cp)
+	dir := t.TempDir()
+	cfgPath := nodeConfig(t, ms, dir)
+	istiod := istiodT(t, cp, "meshtun-system/meshtun")
+	root, token := istiodFiles(t, cp, dir)
+
+	n1, n2 := c.Nodes[0], c.Nodes[1]
+	p11, p12 := n1.Pods[0], n1.Pods[1]
+	p21, p22 := n2.Pods[0], n2.Pods[1]
+	k := kubelet{t: t, cs: cp.Admin}
+	k.namespace("apps", true)
+	k.run(p11, "apps", "client", "client", map[string]string{"app": "client"})
+	k.redirected("apps", "client")
+	k.run(p21, "apps", "server", "server", map[string]string{"app": "server"})
+	k.redirected("apps", "server")
+	echo(t, p21, 8080)
+	echo(t, p22, 8080)
+
+	start := func(n *cluster.Node) *noderun.Process {
+		sctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+		defer cancel()
+		m, err := noderun.Start(sctx, meshtunBin, n, "--config", cfgPath,
+			"--xds-address", istiod.Addr.String(), "--xds-server-name", istiod.ServerName,
+			"--xds-root-cert", root, "--xds-token", token,
+			"--pod-name", "meshtun-"+noderun.NodeName(n), "--pod-namespace", "meshtun-system",
+			"--service-account", "meshtun", "--instance-ip", n.IPv4.String(), "--cluster-id", "Kubernetes")
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { m.Stop(9) })
+		return m
+	}
+	m1, m2 := start(n1), start(n2)
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("node 1 log:\n%s\nnode 2 log:\n%s", m1.Logs(), m2.Logs())
+		}
+	})
+
+	// until retries fn until it returns a valid connection source.
+	until := func(what string, fn func() netip.AddrPort) netip.AddrPort {
+		t.Helper()
+		deadline := time.Now().Add(30 * time.Second)
+		for {
+			if src := fn(); src.IsValid() {
+				return src
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: no connection within 30s", what)
+			}
+			time.Sleep(200 * time.Millisecond)
+		}
+	}
+
+	t.Run("mesh TCP across nodes through istiod's model", func(t *testing.T) {
+		for _, dst := range []netip.Addr{p21.IPv4, p21.IPv6} {
+			var out noderun.Line
+			until("hbone to "+dst.String(), func() netip.AddrPort {
+				src := roundTripMaybe(p11, netip.AddrPortFrom(dst, 8080))
+				if !src.IsValid() {
+					return src
+				}
+				out = waitLog(t, m1, 0, "outbound access log", accessLine(src))
+				if out.Str("route") != "hbone" { // node 1 has not the model yet
+					return netip.AddrPort{}
+				}
+				return src
+			})
+			wantField(t, out, "src.identity", spiffe("apps", "client"))
+			wantField(t, out, "dst.identity", spiffe("apps", "server"))
+			in := waitLog(t, m2, 0, "inbound access log", accessLine(netip.MustParseAddrPort(out.Str("src.addr"))))
+			wantField(t, in, "direction", "inbound")
+			wantField(t, in, "src.identity", spiffe("apps", "client"))
+		}
+	})
+
+	t.Run("AuthorizationPolicy from the API server denies", func(t *testing.T) {
+		pol := &unstructured.Unstructured{Object: map[string]any{
+			"apiVersion": "security.istio.io/v1", "kind": "AuthorizationPolicy",
+			"metadata": map[string]any{"name": "deny-client", "namespace": "apps"},
+			"spec": map[string]any{
+				"selector": map[string]any{"matchLabels": map[string]any{"app": "server"}},
+				"action":   "DENY",
+				"rules": []any{map[string]any{"from": []any{map[string]any{"source": map[string]any{
+					"principals": []any{"cluster.local/ns/apps/sa/client"},
+				}}}}},
+			},
+		}}
+		if err := cp.Apply(ctx, []Manifest{{File: "test", Obj: pol}}, false); err != nil {
+			t.Fatal(err)
+		}
+		deadline := time.Now().Add(30 * time.Second)
+		for roundTripMaybe(p11, netip.AddrPortFrom(p21.IPv4, 8080)).IsValid() {
+			if time.Now().After(deadline) {
+				t.Fatal("the client still reaches the server 30s after the DENY policy was created")
+			}
+			time.Sleep(200 * time.Millisecond)
+		}
+		l := waitLog(t, m2, 0, "refusal by the policy", func(l noderun.Line) bool {
+			return l.Str("direction") == "inbound" && l.Str("message") == "connection refused" && strings.Contains(l.Str("error"), "apps/deny-client")
+		})
+		wantField(t, l, "src.identity", spiffe("apps", "client"))
+		dyn, err := dynamic.NewForConfig(cp.AdminConfig)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := dyn.Resource(authzGVR).Namespace("apps").Delete(ctx, "deny-client", metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		until("policy deleted", func() netip.AddrPort { return roundTripMaybe(p11, netip.AddrPortFrom(p21.IPv4, 8080)) })
+	})
+
+	t.Run("a workload meshtun cannot apply is NACKed, the rest applies", func(t *testing.T) {
+		mark := m1.Len()
+		// Another network: meshtun has no east-west gateway support.
+		k.run(p12, "apps", "faraway", "faraway", map[string]string{"app": "faraway", "topology.istio.io/network": "far"})
+		k.redirected("apps", "faraway")
+		l := waitLog(t, m1, mark, "NACK of the other network's workload", func(l noderun.Line) bool {
+			return l.Str("message") == "NACK" && strings.Contains(l.Str("error"), "faraway") && strings.Contains(l.Str("error"), "network")
+		})
+		t.Logf("NACK: %s", l.Str("error"))
+		// A pod created after it still reaches the model (and the mesh).
+		k.run(p22, "apps", "later", "later", map[string]string{"app": "later"})
+		k.redirected("apps", "later")
+		var out noderun.Line
+		until("hbone to the later pod", func() netip.AddrPort {
+			src := roundTripMaybe(p11, netip.AddrPortFrom(p22.IPv4, 8080))
+			if !src.IsValid() {
+				return src
+			}
+			out = waitLog(t, m1, 0, "access log", accessLine(src))
+			if out.Str("dst.identity") != spiffe("apps", "later") {
+				return netip.AddrPort{}
+			}
+			return src
+		})
+	})
+
+	t.Run("istiod restarted: the model stays, the node resubscribes", func(t *testing.T) {
+		mark := m1.Len()
+		istiod.Stop()
+		waitLog(t, m1, mark, "stream ended", func(l noderun.Line) bool {
+			return strings.Contains(l.Str("message"), "istiod stream ended")
+		})
+		src := roundTrip(t, p11, netip.AddrPortFrom(p21.IPv4, 8080))
+		l := waitLog(t, m1, 0, "connection while istiod is down", accessLine(src))
+		wantField(t, l, "route", "hbone")
+		mark = m1.Len()
+		sctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+		defer cancel()
+		if err := istiod.Start(sctx); err != nil {
+			t.Fatal(err)
+		}
+		// The node subscribes again and applies istiod's full state.
+		waitLog(t, m1, mark, "resubscribed", func(l noderun.Line) bool {
+			return l.Str("message") == "applied istiod's update" && l.Str("type") == "type.googleapis.com/istio.workload.Address"
+		})
+		src = roundTrip(t, p11, netip.AddrPortFrom(p21.IPv4, 8080))
+		l = waitLog(t, m1, 0, "connection after the restart", accessLine(src))
+		wantField(t, l, "dst.identity", spiffe("apps", "server"))
+	})
+}
