@@ -114,6 +114,15 @@ func TestIstiod(t *testing.T) {
 	dir := t.TempDir()
 	cfgPath := nodeConfig(t, ms, dir)
 	istiod := istiodT(t, cp, "meshtun-system/meshtun")
+	// deploy/istio is valid against the API server (dry run: the test's
+	// nodes run in meshtun-system, as deploy/kubernetes has it).
+	istioMs, err := ReadManifests("../../deploy/istio")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cp.Apply(ctx, istioMs, true); err != nil {
+		t.Fatalf("deploy/istio: %v", err)
+	}
 	root, token := istiodFiles(t, cp, dir)
 
 	n1, n2 := c.Nodes[0], c.Nodes[1]
