@@ -10,8 +10,10 @@ import (
 	"time"
 
 	authv1 "k8s.io/api/authentication/v1"
+	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/dynamic"
@@ -126,7 +128,7 @@ func TestIstiod(t *testing.T) {
 	root, token := istiodFiles(t, cp, dir)
 
 	n1, n2 := c.Nodes[0], c.Nodes[1]
-	p11, p12 := n1.Pods[0], n1.Pods[1]
+	p11 := n1.Pods[0]
 	p21, p22 := n2.Pods[0], n2.Pods[1]
 	k := kubelet{t: t, cs: cp.Admin}
 	k.namespace("apps", true)
@@ -231,30 +233,56 @@ func TestIstiod(t *testing.T) {
 		until("policy deleted", func() netip.AddrPort { return roundTripMaybe(p11, netip.AddrPortFrom(p21.IPv4, 8080)) })
 	})
 
-	t.Run("a workload meshtun cannot apply is NACKed, the rest applies", func(t *testing.T) {
+	t.Run("a service meshtun cannot apply is NACKed, the rest applies", func(t *testing.T) {
 		mark := m1.Len()
-		// Another network: meshtun has no east-west gateway support.
-		k.run(p12, "apps", "faraway", "faraway", map[string]string{"app": "faraway", "topology.istio.io/network": "far"})
-		k.redirected("apps", "faraway")
-		l := waitLog(t, m1, mark, "NACK of the other network's workload", func(l noderun.Line) bool {
-			return l.Str("message") == "NACK" && strings.Contains(l.Str("error"), "faraway") && strings.Contains(l.Str("error"), "network")
-		})
-		t.Logf("NACK: %s", l.Str("error"))
-		// A pod created after it still reaches the model (and the mesh).
 		k.run(p22, "apps", "later", "later", map[string]string{"app": "later"})
 		k.redirected("apps", "later")
-		var out noderun.Line
-		until("hbone to the later pod", func() netip.AddrPort {
-			src := roundTripMaybe(p11, netip.AddrPortFrom(p22.IPv4, 8080))
-			if !src.IsValid() {
-				return src
+		// internalTrafficPolicy: Local is istiod's load balancing mode
+		// STRICT on NODE, which meshtun does not do: refused. The other
+		// service, created after it, applies.
+		local := corev1.ServiceInternalTrafficPolicyLocal
+		for _, svc := range []*corev1.Service{
+			{ObjectMeta: metav1.ObjectMeta{Name: "local-only"}, Spec: corev1.ServiceSpec{
+				Selector: map[string]string{"app": "later"}, InternalTrafficPolicy: &local,
+				Ports: []corev1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromString("http")}},
+			}},
+			{ObjectMeta: metav1.ObjectMeta{Name: "web"}, Spec: corev1.ServiceSpec{
+				Selector: map[string]string{"app": "later"}, IPFamilyPolicy: new(corev1.IPFamilyPolicyRequireDualStack),
+				Ports: []corev1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromString("http")}},
+			}},
+		} {
+			if _, err := cp.Admin.CoreV1().Services("apps").Create(ctx, svc, metav1.CreateOptions{}); err != nil {
+				t.Fatal(err)
 			}
-			out = waitLog(t, m1, 0, "access log", accessLine(src))
-			if out.Str("dst.identity") != spiffe("apps", "later") {
-				return netip.AddrPort{}
-			}
-			return src
+		}
+		l := waitLog(t, m1, mark, "NACK of the local-only service", func(l noderun.Line) bool {
+			return l.Str("message") == "NACK" && strings.Contains(l.Str("error"), "apps/local-only.apps.svc.cluster.local") && strings.Contains(l.Str("error"), "STRICT")
 		})
+		t.Logf("NACK: %s", l.Str("error"))
+		web, err := cp.Admin.CoreV1().Services("apps").Get(ctx, "web", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, ip := range web.Spec.ClusterIPs {
+			vip := netip.AddrPortFrom(netip.MustParseAddr(ip), 80)
+			var out noderun.Line
+			until("the web service at "+vip.String(), func() netip.AddrPort {
+				src := roundTripMaybe(p11, vip)
+				if !src.IsValid() {
+					return src
+				}
+				out = waitLog(t, m1, 0, "access log", accessLine(src))
+				return src
+			})
+			wantField(t, out, "route", "hbone")
+			wantField(t, out, "dst.service", "web.apps.svc.cluster.local")
+			wantField(t, out, "dst.identity", spiffe("apps", "later"))
+			ep := p22.IPv4
+			if vip.Addr().Is6() {
+				ep = p22.IPv6
+			}
+			wantField(t, out, "dst.hbone_addr", netip.AddrPortFrom(ep, 15008).String())
+		}
 	})
 
 	t.Run("istiod restarted: the model stays, the node resubscribes", func(t *testing.T) {
