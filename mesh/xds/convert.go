@@ -218,6 +218,28 @@ func (c *converter) authorization(in *security.Authorization) (*policy.Policy, e
 	return policy.New(p)
 }
 
+// denyAll is what stands for an authorization meshtun cannot apply: a
+// DENY policy in the same scope whose one empty rule matches every
+// request. Leaving the policy out would fail open (a DENY policy missing,
+// or the only ALLOW policy of a workload missing, lets everything in).
+func (c *converter) denyAll(in *security.Authorization) *policy.Policy {
+	p := policy.Policy{Name: in.Name, Namespace: in.Namespace, Action: policy.Deny, Rules: []policy.Rule{{}}}
+	if in.Scope == security.Scope_WORKLOAD_SELECTOR {
+		p.Selector = map[string]string{policyLabel(in.Namespace + "/" + in.Name): "true"}
+	}
+	if p.Name == "" {
+		p.Name = "unnamed"
+	}
+	if p.Namespace == "" {
+		p.Namespace = c.root // mesh-wide: nothing better is known
+	}
+	out, err := policy.New(p)
+	if err != nil { // cannot happen: name, namespace and action are set
+		panic(err)
+	}
+	return out
+}
+
 // rule converts a group (its rules AND-ed, the matches of each rule
 // OR-ed) into a policy rule: a rule whose matches are all about the
 // source becomes From, one whose matches are all about destination ports

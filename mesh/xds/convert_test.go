@@ -5,10 +5,13 @@ import (
 	"strings"
 	"testing"
 
+	discoveryv3 "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"google.golang.org/protobuf/types/known/anypb"
 	"istio.io/istio/pkg/workloadapi/security"
 
 	"github.com/meshtun/meshtun/mesh/policy"
+	"github.com/meshtun/meshtun/mesh/registry"
 )
 
 func exact(s string) *security.StringMatch {
@@ -77,5 +80,38 @@ func TestAuthorizationShapes(t *testing.T) {
 	})
 	if err == nil || !strings.Contains(err.Error(), "cannot express") {
 		t.Errorf("mixed matches: %v", err)
+	}
+}
+
+// A policy meshtun cannot apply denies everything in its scope instead of
+// being left out (which would let in what it denies).
+func TestUnappliablePolicyFailsClosed(t *testing.T) {
+	src := New(Config{TrustDomain: spiffeid.RequireTrustDomainFromString("cluster.local")})
+	bad := &security.Authorization{
+		Name: "mixed", Namespace: "ns", Scope: security.Scope_WORKLOAD_SELECTOR, Action: security.Action_DENY,
+		Groups: []*security.Group{{Rules: []*security.Rules{{Matches: []*security.Match{
+			{Namespaces: []*security.StringMatch{exact("a")}}, {DestinationPorts: []uint32{80}},
+		}}}}},
+	}
+	pany, err := anypb.New(bad)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := wl("ns", "w", "10.0.0.1", "n1", "ns/mixed")
+	wany, _ := anypb.New(w)
+	if nack := src.apply(response{typeURL: AddressType, full: true, resources: []*discoveryv3.Resource{{Name: "w", Resource: wany}}}); nack != "" {
+		t.Fatal(nack)
+	}
+	nack := src.apply(response{typeURL: AuthorizationType, full: true, resources: []*discoveryv3.Resource{{Name: "ns/mixed", Resource: pany}}})
+	if !strings.Contains(nack, "ns/mixed") || !strings.Contains(nack, "denying every connection") {
+		t.Fatalf("NACK %q", nack)
+	}
+	snap, err := registry.Build(src.model(src.st))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := &policy.Request{Peer: spiffeid.RequireFromString("spiffe://cluster.local/ns/b/sa/x"), Source: netip.MustParseAddr("10.9.0.1"), Dest: netip.MustParseAddrPort("10.0.0.1:8080")}
+	if d := snap.Authorize(r); d.Allowed {
+		t.Errorf("a connection the unappliable DENY policy might cover is allowed: %v", d)
 	}
 }

@@ -10,7 +10,10 @@
 // honour is applied and ACKed; a resource it cannot apply (a waypoint it
 // would bypass, another network, an unknown extension…) is NACKed with a
 // message naming it, its previous version (if any) stays, and the rest of
-// the response still applies. A response whose resources together do not
+// the response still applies. An authorization policy it cannot apply is
+// the exception: it is replaced by a policy that denies every connection
+// in its scope (fail closed), since leaving it out would let in what it
+// denies. A response whose resources together do not
 // make a valid model (two workloads on one address) is NACKed whole and
 // the last good model stays. The stream is reopened with backoff when it
 // breaks, and the model is kept meanwhile; the first response of each type
@@ -367,7 +370,10 @@ func (s *Source) convert(typeURL string, res *discoveryv3.Resource, next state) 
 		}
 		p, err := s.conv.authorization(&a)
 		if err != nil {
-			return err
+			// Fail closed: the workloads it would apply to refuse every
+			// connection until istiod sends a version meshtun can apply.
+			next.authz[res.Name] = authzEntry{version: res.Version, p: s.conv.denyAll(&a)}
+			return fmt.Errorf("%w (denying every connection in its scope instead)", err)
 		}
 		next.authz[res.Name] = authzEntry{version: res.Version, p: p}
 	default:
