@@ -119,7 +119,7 @@ func runNode(ctx context.Context, args []string) error {
 		for _, l := range nc.CaptureLinks {
 			links = append(links, tun.CaptureLink{Name: l})
 		}
-		snap, src, err := startXDS(ctx, xf, name, c, log)
+		snap, src, err := startXDS(ctx, xf, kubeconfig, name, c, log)
 		if err != nil {
 			if errors.Is(err, context.Canceled) {
 				return nil
@@ -130,7 +130,7 @@ func runNode(ctx context.Context, args []string) error {
 		status = func() any { return src.Status() }
 	} else {
 		if kubeconfig != "" {
-			return errors.New("--kubeconfig needs --kubernetes")
+			return errors.New("--kubeconfig needs --kubernetes (or --xds-address with --redirect-pods)")
 		}
 		if mesh, err = c.Snapshot(); err != nil {
 			return err

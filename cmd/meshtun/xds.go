@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"net/netip"
@@ -10,6 +11,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/meshtun/meshtun/mesh/config"
+	"github.com/meshtun/meshtun/mesh/kube"
 	"github.com/meshtun/meshtun/mesh/registry"
 	"github.com/meshtun/meshtun/mesh/xds"
 )
@@ -21,6 +23,7 @@ type xdsFlags struct {
 	address, serverName, rootCert, token  string
 	podName, podNamespace, serviceAccount string
 	instanceIP, clusterID, network        string
+	redirectPods                          bool
 }
 
 func envOr(k, def string) string {
@@ -40,12 +43,13 @@ func (f *xdsFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.serviceAccount, "service-account", os.Getenv("SERVICE_ACCOUNT"), "with --xds-address: its service `account` (default $SERVICE_ACCOUNT)")
 	fs.StringVar(&f.instanceIP, "instance-ip", os.Getenv("INSTANCE_IP"), "with --xds-address: its pod `address` (default $INSTANCE_IP)")
 	fs.StringVar(&f.clusterID, "cluster-id", envOr("CLUSTER_ID", "Kubernetes"), "with --xds-address: istiod's cluster `name` (default $CLUSTER_ID or Kubernetes)")
+	fs.BoolVar(&f.redirectPods, "redirect-pods", false, "with --xds-address: play istio-cni's part, annotating this node's enrolled pods ambient.istio.io/redirection=enabled so that istiod reaches them over HBONE (needs get, list, watch on pods and namespaces and patch on pods; --kubeconfig or the in-cluster account)")
 	fs.StringVar(&f.network, "network", os.Getenv("NETWORK"), "with --xds-address: this node's Istio `network` (default $NETWORK, empty)")
 }
 
 // startXDS connects to istiod, waits for the first model and returns it
 // with the source that follows istiod from then on.
-func startXDS(ctx context.Context, f xdsFlags, nodeName string, c *config.Config, log zerolog.Logger) (*registry.Snapshot, *xds.Source, error) {
+func startXDS(ctx context.Context, f xdsFlags, kubeconfig, nodeName string, c *config.Config, log zerolog.Logger) (*registry.Snapshot, *xds.Source, error) {
 	for _, r := range []struct{ v, flag string }{
 		{f.podName, "--pod-name (or POD_NAME)"}, {f.podNamespace, "--pod-namespace (or POD_NAMESPACE)"},
 		{f.serviceAccount, "--service-account (or SERVICE_ACCOUNT)"}, {f.instanceIP, "--instance-ip (or INSTANCE_IP)"},
@@ -53,6 +57,9 @@ func startXDS(ctx context.Context, f xdsFlags, nodeName string, c *config.Config
 		if r.v == "" {
 			return nil, nil, fmt.Errorf("--xds-address needs %s: istiod checks who the node proxy is", r.flag)
 		}
+	}
+	if kubeconfig != "" && !f.redirectPods {
+		return nil, nil, errors.New("--kubeconfig with --xds-address is for --redirect-pods: the model comes from istiod")
 	}
 	ip, err := netip.ParseAddr(f.instanceIP)
 	if err != nil {
@@ -70,6 +77,16 @@ func startXDS(ctx context.Context, f xdsFlags, nodeName string, c *config.Config
 		TrustDomain: c.TrustDomainID(), RootNamespace: c.RootNamespace, DomainSuffix: c.ClusterDomain,
 		PeerAuth: c.DefaultPeerAuth(), Policies: c.Policies(), Logger: log,
 	})
+	if f.redirectPods {
+		cs, err := kubeClient(kubeconfig, nodeName)
+		if err != nil {
+			return nil, nil, err
+		}
+		klogToZerolog(log)
+		// Before the model: istiod marks the pods HBONE only once they
+		// carry the annotation.
+		go kube.NewRedirector(cs, nodeName, log).Run(ctx)
+	}
 	snap, err := src.Start(ctx)
 	if err != nil {
 		return nil, nil, err

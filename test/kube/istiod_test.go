@@ -14,23 +14,31 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
-	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
 
 	"github.com/meshtun/meshtun/test/cluster"
 	"github.com/meshtun/meshtun/test/noderun"
 )
 
-// redirected marks a pod the way istio-cni does once it has redirected
-// the pod's traffic to the node proxy: istiod tells node proxies to reach
-// only such pods over HBONE. The test plays istio-cni here, as it plays
-// the kubelet.
-func (k kubelet) redirected(ns, name string) {
-	k.t.Helper()
-	patch := []byte(`{"metadata":{"annotations":{"ambient.istio.io/redirection":"enabled"}}}`)
-	if _, err := k.cs.CoreV1().Pods(ns).Patch(context.Background(), name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
-		k.t.Fatal(err)
+// waitRedirected waits until the pod carries the redirection annotation
+// (want) or not, as meshtun's --redirect-pods sets it.
+func waitRedirected(t *testing.T, cs *kubernetes.Clientset, ns, name string, want bool) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		p, err := cs.CoreV1().Pods(ns).Get(context.Background(), name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if (p.Annotations["ambient.istio.io/redirection"] == "enabled") == want {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("pod %s/%s: redirection annotation %q after 20s, want set=%v", ns, name, p.Annotations["ambient.istio.io/redirection"], want)
+		}
+		time.Sleep(100 * time.Millisecond) // no watch for one annotation
 	}
 }
 
@@ -65,12 +73,12 @@ func istiodT(t *testing.T, cp *ControlPlane, trusted ...string) *Istiod {
 // istiodFiles writes what a meshtun pod in place of ztunnel has mounted:
 // the istio-ca-root-cert ConfigMap istiod puts in every namespace, and a
 // projected token of the node's service account with audience istio-ca.
-func istiodFiles(t *testing.T, cp *ControlPlane, dir string) (root, token string) {
+func istiodFiles(t *testing.T, cp *ControlPlane, dir string) (root, token, kubeconfig string) {
 	t.Helper()
 	ctx := context.Background()
 	deadline := time.Now().Add(time.Minute)
 	for { // istiod's namespace controller writes it; no watch for one object
-		cm, err := cp.Admin.CoreV1().ConfigMaps("meshtun-system").Get(ctx, "istio-ca-root-cert", metav1.GetOptions{})
+		cm, err := cp.Admin.CoreV1().ConfigMaps("istio-system").Get(ctx, "istio-ca-root-cert", metav1.GetOptions{})
 		if err == nil && cm.Data["root-cert.pem"] != "" {
 			root = filepath.Join(dir, "root-cert.pem")
 			if err := os.WriteFile(root, []byte(cm.Data["root-cert.pem"]), 0o644); err != nil {
@@ -79,11 +87,11 @@ func istiodFiles(t *testing.T, cp *ControlPlane, dir string) (root, token string
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("istiod wrote no istio-ca-root-cert ConfigMap into meshtun-system: %v", err)
+			t.Fatalf("istiod wrote no istio-ca-root-cert ConfigMap into istio-system: %v", err)
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
-	tok, err := cp.Admin.CoreV1().ServiceAccounts("meshtun-system").CreateToken(ctx, "meshtun",
+	tok, err := cp.Admin.CoreV1().ServiceAccounts("istio-system").CreateToken(ctx, "ztunnel",
 		&authv1.TokenRequest{Spec: authv1.TokenRequestSpec{Audiences: []string{"istio-ca"}, ExpirationSeconds: new(int64(3600))}}, metav1.CreateOptions{})
 	if err != nil {
 		t.Fatal(err)
@@ -92,7 +100,17 @@ func istiodFiles(t *testing.T, cp *ControlPlane, dir string) (root, token string
 	if err := os.WriteFile(token, []byte(tok.Status.Token), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	return root, token
+	// The API server's own token of the account, for --redirect-pods.
+	apiTok, err := cp.Admin.CoreV1().ServiceAccounts("istio-system").CreateToken(ctx, "ztunnel",
+		&authv1.TokenRequest{Spec: authv1.TokenRequestSpec{ExpirationSeconds: new(int64(3600))}}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	kubeconfig = filepath.Join(dir, "kubeconfig")
+	if err := os.WriteFile(kubeconfig, cp.Kubeconfig(apiTok.Status.Token), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return root, token, kubeconfig
 }
 
 var authzGVR = schema.GroupVersionResource{Group: "security.istio.io", Version: "v1", Resource: "authorizationpolicies"}
@@ -115,17 +133,18 @@ func TestIstiod(t *testing.T) {
 	ms := applyDeploy(t, cp)
 	dir := t.TempDir()
 	cfgPath := nodeConfig(t, ms, dir)
-	istiod := istiodT(t, cp, "meshtun-system/meshtun")
-	// deploy/istio is valid against the API server (dry run: the test's
-	// nodes run in meshtun-system, as deploy/kubernetes has it).
+	// The nodes run as deploy/istio's account (ztunnel's, which istiod
+	// trusts by default) with its RBAC, applied server-side; nothing runs
+	// its DaemonSet (no controller manager), the test starts the nodes.
+	istiod := istiodT(t, cp, "istio-system/ztunnel")
 	istioMs, err := ReadManifests("../../deploy/istio")
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := cp.Apply(ctx, istioMs, true); err != nil {
+	if err := cp.Apply(ctx, istioMs, false); err != nil {
 		t.Fatalf("deploy/istio: %v", err)
 	}
-	root, token := istiodFiles(t, cp, dir)
+	root, token, kubeconfig := istiodFiles(t, cp, dir)
 
 	n1, n2 := c.Nodes[0], c.Nodes[1]
 	p11 := n1.Pods[0]
@@ -133,9 +152,7 @@ func TestIstiod(t *testing.T) {
 	k := kubelet{t: t, cs: cp.Admin}
 	k.namespace("apps", true)
 	k.run(p11, "apps", "client", "client", map[string]string{"app": "client"})
-	k.redirected("apps", "client")
 	k.run(p21, "apps", "server", "server", map[string]string{"app": "server"})
-	k.redirected("apps", "server")
 	echo(t, p21, 8080)
 	echo(t, p22, 8080)
 
@@ -145,8 +162,9 @@ func TestIstiod(t *testing.T) {
 		m, err := noderun.Start(sctx, meshtunBin, n, "--config", cfgPath,
 			"--xds-address", istiod.Addr.String(), "--xds-server-name", istiod.ServerName,
 			"--xds-root-cert", root, "--xds-token", token,
-			"--pod-name", "meshtun-"+noderun.NodeName(n), "--pod-namespace", "meshtun-system",
-			"--service-account", "meshtun", "--instance-ip", n.IPv4.String(), "--cluster-id", "Kubernetes")
+			"--pod-name", "meshtun-"+noderun.NodeName(n), "--pod-namespace", "istio-system",
+			"--service-account", "ztunnel", "--instance-ip", n.IPv4.String(), "--cluster-id", "Kubernetes",
+			"--redirect-pods", "--kubeconfig", kubeconfig)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -176,6 +194,9 @@ func TestIstiod(t *testing.T) {
 	}
 
 	t.Run("mesh TCP across nodes through istiod's model", func(t *testing.T) {
+		// Each node marked its own enrolled pod as istio-cni would.
+		waitRedirected(t, cp.Admin, "apps", "client", true)
+		waitRedirected(t, cp.Admin, "apps", "server", true)
 		for _, dst := range []netip.Addr{p21.IPv4, p21.IPv6} {
 			var out noderun.Line
 			until("hbone to "+dst.String(), func() netip.AddrPort {
@@ -236,7 +257,6 @@ func TestIstiod(t *testing.T) {
 	t.Run("a service meshtun cannot apply is NACKed, the rest applies", func(t *testing.T) {
 		mark := m1.Len()
 		k.run(p22, "apps", "later", "later", map[string]string{"app": "later"})
-		k.redirected("apps", "later")
 		// internalTrafficPolicy: Local is istiod's load balancing mode
 		// STRICT on NODE, which meshtun does not do: refused. The other
 		// service, created after it, applies.
