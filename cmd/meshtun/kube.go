@@ -26,17 +26,10 @@ import (
 // source that follows the API server from then on.
 func startKube(ctx context.Context, kubeconfig, nodeName string, c *config.Config, log zerolog.Logger) (*registry.Snapshot, *kube.Source, error) {
 	klogToZerolog(log)
-	var rc *rest.Config
-	var err error
-	if kubeconfig != "" {
-		rc, err = clientcmd.BuildConfigFromFlags("", kubeconfig)
-	} else {
-		rc, err = rest.InClusterConfig()
-	}
+	rc, err := restConfig(kubeconfig, nodeName)
 	if err != nil {
-		return nil, nil, fmt.Errorf("kubernetes: %w", err)
+		return nil, nil, err
 	}
-	rc.UserAgent = "meshtun/" + nodeName
 	cs, err := kubernetes.NewForConfig(rc)
 	if err != nil {
 		return nil, nil, fmt.Errorf("kubernetes: %w", err)
@@ -59,6 +52,36 @@ func startKube(ctx context.Context, kubeconfig, nodeName string, c *config.Confi
 		return nil, nil, err
 	}
 	return snap, src, nil
+}
+
+// restConfig is the API server client configuration: from kubeconfig if
+// set, else the in-cluster service account.
+func restConfig(kubeconfig, nodeName string) (*rest.Config, error) {
+	var rc *rest.Config
+	var err error
+	if kubeconfig != "" {
+		rc, err = clientcmd.BuildConfigFromFlags("", kubeconfig)
+	} else {
+		rc, err = rest.InClusterConfig()
+	}
+	if err != nil {
+		return nil, fmt.Errorf("kubernetes: %w", err)
+	}
+	rc.UserAgent = "meshtun/" + nodeName
+	return rc, nil
+}
+
+// kubeClient is a clientset for restConfig's configuration.
+func kubeClient(kubeconfig, nodeName string) (*kubernetes.Clientset, error) {
+	rc, err := restConfig(kubeconfig, nodeName)
+	if err != nil {
+		return nil, err
+	}
+	cs, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		return nil, fmt.Errorf("kubernetes: %w", err)
+	}
+	return cs, nil
 }
 
 var klogOnce sync.Once

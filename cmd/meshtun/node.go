@@ -31,6 +31,7 @@ func runNode(ctx context.Context, args []string) error {
 		procs                int
 		useKube              bool
 		kubeconfig           string
+		xf                   xdsFlags
 	)
 	fs.StringVar(&path, "config", "/etc/meshtun/mesh.yaml", "the mesh config `file` (see docs/config.md)")
 	fs.StringVar(&name, "node", os.Getenv("NODE_NAME"), "this node's `name` (default $NODE_NAME): its entry in the config file, and with --kubernetes the spec.nodeName of its pods")
@@ -38,6 +39,7 @@ func runNode(ctx context.Context, args []string) error {
 	fs.StringVar(&kubeconfig, "kubeconfig", "", "with --kubernetes: the kubeconfig `file`; empty: the in-cluster service account")
 	fs.StringVar(&spireSocket, "spire-admin-socket", "", "`path` of the node's SPIRE agent admin socket: take the workloads' certificates from SPIRE's Delegated Identity API instead of `meshtun ca` (see docs/identity.md)")
 	fs.StringVar(&credDir, "credentials", "/var/lib/meshtun/node", "`directory` of this node's credential for `meshtun ca` (cert.pem, key.pem, roots.pem; made by `meshtun ca issue-node`)")
+	xf.register(fs)
 	fs.BoolVar(&noIntercept, "no-intercept", false, "intercept nothing: every packet goes through the TUN verbatim (for measuring the TUN path alone)")
 	fs.BoolVar(&uninstall, "uninstall", false, "remove meshtun from this network namespace (its rules and blocking routes, which a stopped proxy leaves so that captured traffic stays blocked) and exit; refused while a proxy runs")
 	fs.BoolVar(&hboneNetstack, "hbone-netstack", false, "terminate inbound HBONE on the netstack through the TUN, not on a kernel socket (the fallback when the kernel cannot; for comparisons)")
@@ -78,8 +80,12 @@ func runNode(ctx context.Context, args []string) error {
 	for _, w := range c.Warnings {
 		log.Warn().Str("config", path).Msg(w)
 	}
+	useXDS := xf.address != ""
+	if useXDS && useKube {
+		return errors.New("--xds-address and --kubernetes are two sources of the mesh model: pick one")
+	}
 	var nc *config.NodeConfig
-	if useKube {
+	if useKube || useXDS {
 		nc, err = c.NodeOrDefault(name)
 	} else {
 		nc, err = c.Node(name)
@@ -108,9 +114,23 @@ func runNode(ctx context.Context, args []string) error {
 		}
 		mesh, updates = snap, src.Updates()
 		status = func() any { return src.Status() }
+	} else if useXDS {
+		// As with --kubernetes: the pods' links are found from their routes.
+		for _, l := range nc.CaptureLinks {
+			links = append(links, tun.CaptureLink{Name: l})
+		}
+		snap, src, err := startXDS(ctx, xf, kubeconfig, name, c, log)
+		if err != nil {
+			if errors.Is(err, context.Canceled) {
+				return nil
+			}
+			return err
+		}
+		mesh, updates = snap, src.Updates()
+		status = func() any { return src.Status() }
 	} else {
 		if kubeconfig != "" {
-			return errors.New("--kubeconfig needs --kubernetes")
+			return errors.New("--kubeconfig needs --kubernetes (or --xds-address with --redirect-pods)")
 		}
 		if mesh, err = c.Snapshot(); err != nil {
 			return err
@@ -135,8 +155,9 @@ func runNode(ctx context.Context, args []string) error {
 		DrainPeriod:     drain,
 		Logger:          log,
 	}
-	if useKube {
-		// Node settings apply at start; the model follows the API server.
+	if useKube || useXDS {
+		// Node settings apply at start; the model follows the API server
+		// (or istiod).
 		ncfg.ConfigPath = ""
 		ncfg.Updates, ncfg.CaptureByRoute, ncfg.Status = updates, true, status
 	}

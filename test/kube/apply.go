@@ -36,28 +36,39 @@ func ReadManifests(dir string) ([]Manifest, error) {
 	sort.Strings(files)
 	var out []Manifest
 	for _, f := range files {
-		data, err := os.ReadFile(f)
+		ms, err := readManifestFile(f)
 		if err != nil {
 			return nil, err
 		}
-		dec := yaml.NewYAMLOrJSONDecoder(bytes.NewReader(data), 4096)
-		for {
-			var m map[string]any
-			if err := dec.Decode(&m); err != nil {
-				if errors.Is(err, io.EOF) {
-					break
-				}
-				return nil, fmt.Errorf("%s: %w", f, err)
+		out = append(out, ms...)
+	}
+	return out, nil
+}
+
+// readManifestFile reads the Kubernetes objects of one YAML file.
+func readManifestFile(f string) ([]Manifest, error) {
+	var out []Manifest
+	data, err := os.ReadFile(f)
+	if err != nil {
+		return nil, err
+	}
+	dec := yaml.NewYAMLOrJSONDecoder(bytes.NewReader(data), 4096)
+	for {
+		var m map[string]any
+		if err := dec.Decode(&m); err != nil {
+			if errors.Is(err, io.EOF) {
+				break
 			}
-			if len(m) == 0 {
-				continue
-			}
-			u := &unstructured.Unstructured{Object: m}
-			if u.GroupVersionKind().Group == "kind.x-k8s.io" {
-				continue
-			}
-			out = append(out, Manifest{File: filepath.Base(f), Obj: u})
+			return nil, fmt.Errorf("%s: %w", f, err)
 		}
+		if len(m) == 0 {
+			continue
+		}
+		u := &unstructured.Unstructured{Object: m}
+		if u.GroupVersionKind().Group == "kind.x-k8s.io" {
+			continue
+		}
+		out = append(out, Manifest{File: filepath.Base(f), Obj: u})
 	}
 	return out, nil
 }

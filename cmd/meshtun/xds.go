@@ -1,0 +1,95 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"net/netip"
+	"os"
+
+	"github.com/rs/zerolog"
+
+	"github.com/meshtun/meshtun/mesh/config"
+	"github.com/meshtun/meshtun/mesh/kube"
+	"github.com/meshtun/meshtun/mesh/registry"
+	"github.com/meshtun/meshtun/mesh/xds"
+)
+
+// xdsFlags are the flags of the istiod (xDS) source. Their defaults come
+// from the environment variables ztunnel's DaemonSet sets, so meshtun can
+// take its place with the same pod spec.
+type xdsFlags struct {
+	address, serverName, rootCert, token  string
+	podName, podNamespace, serviceAccount string
+	instanceIP, clusterID, network        string
+	redirectPods                          bool
+}
+
+func envOr(k, def string) string {
+	if v, ok := os.LookupEnv(k); ok && v != "" {
+		return v
+	}
+	return def
+}
+
+func (f *xdsFlags) register(fs *flag.FlagSet) {
+	fs.StringVar(&f.address, "xds-address", os.Getenv("XDS_ADDRESS"), "take the mesh (workloads, services, policies) from istiod's delta xDS at `host:port` (as istiod.istio-system.svc:15012; default $XDS_ADDRESS) instead of the config file")
+	fs.StringVar(&f.serverName, "xds-server-name", "", "the name istiod's certificate must carry; default the host of --xds-address")
+	fs.StringVar(&f.rootCert, "xds-root-cert", envOr("XDS_ROOT_CA", "/var/run/secrets/istio/root-cert.pem"), "PEM `file` of the roots that verify istiod (the istio-ca-root-cert ConfigMap, mounted; default $XDS_ROOT_CA)")
+	fs.StringVar(&f.token, "xds-token", "/var/run/secrets/tokens/istio-token", "`file` of the node's service-account token (audience istio-ca), sent to istiod as a bearer token")
+	fs.StringVar(&f.podName, "pod-name", os.Getenv("POD_NAME"), "with --xds-address: this node proxy's pod `name` (default $POD_NAME)")
+	fs.StringVar(&f.podNamespace, "pod-namespace", os.Getenv("POD_NAMESPACE"), "with --xds-address: its `namespace` (default $POD_NAMESPACE)")
+	fs.StringVar(&f.serviceAccount, "service-account", os.Getenv("SERVICE_ACCOUNT"), "with --xds-address: its service `account` (default $SERVICE_ACCOUNT)")
+	fs.StringVar(&f.instanceIP, "instance-ip", os.Getenv("INSTANCE_IP"), "with --xds-address: its pod `address` (default $INSTANCE_IP)")
+	fs.StringVar(&f.clusterID, "cluster-id", envOr("CLUSTER_ID", "Kubernetes"), "with --xds-address: istiod's cluster `name` (default $CLUSTER_ID or Kubernetes)")
+	fs.BoolVar(&f.redirectPods, "redirect-pods", false, "with --xds-address: play istio-cni's part, annotating this node's enrolled pods ambient.istio.io/redirection=enabled so that istiod reaches them over HBONE (needs get, list, watch on pods and namespaces and patch on pods; --kubeconfig or the in-cluster account)")
+	fs.StringVar(&f.network, "network", os.Getenv("NETWORK"), "with --xds-address: this node's Istio `network` (default $NETWORK, empty)")
+}
+
+// startXDS connects to istiod, waits for the first model and returns it
+// with the source that follows istiod from then on.
+func startXDS(ctx context.Context, f xdsFlags, kubeconfig, nodeName string, c *config.Config, log zerolog.Logger) (*registry.Snapshot, *xds.Source, error) {
+	for _, r := range []struct{ v, flag string }{
+		{f.podName, "--pod-name (or POD_NAME)"}, {f.podNamespace, "--pod-namespace (or POD_NAMESPACE)"},
+		{f.serviceAccount, "--service-account (or SERVICE_ACCOUNT)"}, {f.instanceIP, "--instance-ip (or INSTANCE_IP)"},
+	} {
+		if r.v == "" {
+			return nil, nil, fmt.Errorf("--xds-address needs %s: istiod checks who the node proxy is", r.flag)
+		}
+	}
+	if kubeconfig != "" && !f.redirectPods {
+		return nil, nil, errors.New("--kubeconfig with --xds-address is for --redirect-pods: the model comes from istiod")
+	}
+	ip, err := netip.ParseAddr(f.instanceIP)
+	if err != nil {
+		return nil, nil, fmt.Errorf("--instance-ip %q: %w", f.instanceIP, err)
+	}
+	if len(c.Workloads) > 0 || len(c.Services) > 0 {
+		log.Warn().Str("config", c.Path).Msg("with --xds-address the workloads and services of the config file are ignored: istiod's are the mesh")
+	}
+	src := xds.New(xds.Config{
+		Address: f.address, ServerName: f.serverName, RootCertFile: f.rootCert, TokenFile: f.token,
+		Node: xds.Node{
+			PodName: f.podName, Namespace: f.podNamespace, ServiceAccount: f.serviceAccount,
+			IP: ip, NodeName: nodeName, ClusterID: f.clusterID, Network: f.network,
+		},
+		TrustDomain: c.TrustDomainID(), RootNamespace: c.RootNamespace, DomainSuffix: c.ClusterDomain,
+		PeerAuth: c.DefaultPeerAuth(), Policies: c.Policies(), Logger: log,
+	})
+	if f.redirectPods {
+		cs, err := kubeClient(kubeconfig, nodeName)
+		if err != nil {
+			return nil, nil, err
+		}
+		klogToZerolog(log)
+		// Before the model: istiod marks the pods HBONE only once they
+		// carry the annotation.
+		go kube.NewRedirector(cs, nodeName, log).Run(ctx)
+	}
+	snap, err := src.Start(ctx)
+	if err != nil {
+		return nil, nil, err
+	}
+	return snap, src, nil
+}

@@ -1,0 +1,468 @@
+package xds
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"istio.io/istio/pkg/workloadapi"
+	"istio.io/istio/pkg/workloadapi/security"
+
+	"github.com/meshtun/meshtun/mesh/policy"
+	"github.com/meshtun/meshtun/mesh/registry"
+)
+
+// policyLabelPrefix prefixes the label that ties a workload to an
+// authorization policy of workload-selector scope: istiod lists, on each
+// workload, the keys of the selector policies that select it (the WDS
+// workload carries no labels), and the policy selects that label.
+const policyLabelPrefix = "xds.meshtun.io/authz:"
+
+// policyLabel is the label a workload carries when the workload-selector
+// policy key ("namespace/name") applies to it.
+func policyLabel(key string) string { return policyLabelPrefix + key }
+
+// workload is one converted istio.workload.Workload: the registry's
+// workload and the services (keyed "namespace/hostname") it is an
+// endpoint of, with their ports.
+type workload struct {
+	w        *registry.Workload
+	services map[string][]*workloadapi.Port
+}
+
+// service is one converted istio.workload.Service.
+type service struct {
+	s   *registry.Service
+	key string // namespace/hostname
+	// ports with an unknown target port (0): the endpoints' port lists
+	// say.
+	unknownTarget map[uint16]bool
+}
+
+// converter turns WDS resources into registry objects, checking what
+// meshtun can honour. Each method converts one resource, so that a
+// resource meshtun cannot apply is rejected on its own.
+type converter struct {
+	td      spiffeid.TrustDomain
+	network string
+	root    string
+	peer    registry.PeerAuth
+}
+
+// workload converts a WDS workload. A nil result with a nil error is a
+// workload meshtun does not model (host-network pods: their addresses are
+// their node's).
+func (c *converter) workload(in *workloadapi.Workload) (*workload, error) {
+	if in.Name == "" || in.Namespace == "" {
+		return nil, errors.New("workload without name or namespace")
+	}
+	if in.NetworkMode == workloadapi.NetworkMode_HOST_NETWORK {
+		return nil, nil
+	}
+	if in.Waypoint != nil {
+		return nil, fmt.Errorf("workload %s/%s requires waypoint %s: meshtun has no waypoint support (L7 policy would be bypassed), so it refuses the workload", in.Namespace, in.Name, gatewayString(in.Waypoint))
+	}
+	if in.NetworkGateway != nil {
+		return nil, fmt.Errorf("workload %s/%s is reached through network gateway %s: multi-network meshes are not supported", in.Namespace, in.Name, gatewayString(in.NetworkGateway))
+	}
+	if in.Network != c.network {
+		return nil, fmt.Errorf("workload %s/%s is on network %q, this node on %q: multi-network meshes are not supported", in.Namespace, in.Name, in.Network, c.network)
+	}
+	if in.TrustDomain != "" && in.TrustDomain != c.td.Name() {
+		return nil, fmt.Errorf("workload %s/%s has trust domain %q, the mesh %q: one trust domain is supported", in.Namespace, in.Name, in.TrustDomain, c.td.Name())
+	}
+	if len(in.Extensions) > 0 {
+		return nil, fmt.Errorf("workload %s/%s has extensions (%s), which meshtun does not understand", in.Namespace, in.Name, extNames(in.Extensions))
+	}
+	w := &registry.Workload{
+		Name: in.Name, Namespace: in.Namespace, ServiceAccount: in.ServiceAccount, Node: in.Node,
+		InMesh:   in.TunnelProtocol == workloadapi.TunnelProtocol_HBONE,
+		PeerAuth: c.peer,
+	}
+	if in.TunnelProtocol == workloadapi.TunnelProtocol_LEGACY_ISTIO_MTLS {
+		return nil, fmt.Errorf("workload %s/%s uses tunnel protocol LEGACY_ISTIO_MTLS (a sidecar's mTLS), which meshtun does not speak", in.Namespace, in.Name)
+	}
+	if in.Status == workloadapi.WorkloadStatus_UNHEALTHY {
+		w.Health = registry.Unhealthy
+	}
+	for i, b := range in.Addresses {
+		a, ok := netip.AddrFromSlice(b)
+		if !ok {
+			return nil, fmt.Errorf("workload %s/%s: addresses[%d] is %d bytes, not an IPv4 or IPv6 address", in.Namespace, in.Name, i, len(b))
+		}
+		w.Addresses = append(w.Addresses, a.Unmap())
+	}
+	if len(in.AuthorizationPolicies) > 0 {
+		w.Labels = make(map[string]string, len(in.AuthorizationPolicies))
+		for _, k := range in.AuthorizationPolicies {
+			w.Labels[policyLabel(k)] = "true"
+		}
+	}
+	out := &workload{w: w}
+	if len(in.Services) > 0 {
+		out.services = make(map[string][]*workloadapi.Port, len(in.Services))
+		for k, pl := range in.Services {
+			out.services[k] = pl.GetPorts()
+		}
+	}
+	return out, nil
+}
+
+// service converts a WDS service. A nil result with a nil error is a
+// service meshtun does not model (no address on this network: headless
+// services, hostname-only ServiceEntries).
+func (c *converter) service(in *workloadapi.Service) (*service, error) {
+	if in.Hostname == "" || in.Namespace == "" {
+		return nil, errors.New("service without hostname or namespace")
+	}
+	key := in.Namespace + "/" + in.Hostname
+	if in.Waypoint != nil || len(in.WeightedWaypoints) > 0 {
+		return nil, fmt.Errorf("service %s requires waypoint %s: meshtun has no waypoint support (L7 policy would be bypassed), so it refuses the service", key, gatewayString(in.Waypoint))
+	}
+	if len(in.Extensions) > 0 {
+		return nil, fmt.Errorf("service %s has extensions (%s), which meshtun does not understand", key, extNames(in.Extensions))
+	}
+	s := &registry.Service{Name: in.Name, Namespace: in.Namespace, Hostname: in.Hostname}
+	if s.Name == "" {
+		s.Name = in.Hostname
+	}
+	for i, na := range in.Addresses {
+		if na.Network != c.network {
+			continue
+		}
+		a, ok := netip.AddrFromSlice(na.Address)
+		if !ok {
+			return nil, fmt.Errorf("service %s: addresses[%d] is %d bytes, not an IPv4 or IPv6 address", key, i, len(na.Address))
+		}
+		if na.Length != nil && int(*na.Length) != a.Unmap().BitLen() {
+			return nil, fmt.Errorf("service %s: addresses[%d] is a /%d range; only single VIPs are supported", key, i, *na.Length)
+		}
+		s.VIPs = append(s.VIPs, a.Unmap())
+	}
+	if len(s.VIPs) == 0 {
+		return nil, nil
+	}
+	out := &service{s: s, key: key}
+	for i, p := range in.Ports {
+		if p.ServicePort == 0 || p.ServicePort > 65535 || p.TargetPort > 65535 {
+			return nil, fmt.Errorf("service %s: ports[%d]: port %d → %d out of range", key, i, p.ServicePort, p.TargetPort)
+		}
+		sp := registry.ServicePort{Port: uint16(p.ServicePort), TargetPort: uint16(p.TargetPort)}
+		if p.TargetPort == 0 {
+			if out.unknownTarget == nil {
+				out.unknownTarget = map[uint16]bool{}
+			}
+			out.unknownTarget[sp.Port] = true
+		}
+		s.Ports = append(s.Ports, sp)
+	}
+	if lb := in.LoadBalancing; lb != nil {
+		switch {
+		case len(lb.RoutingPreference) == 0:
+		case lb.Mode == workloadapi.LoadBalancing_STRICT:
+			return nil, fmt.Errorf("service %s: load balancing mode STRICT on %v (e.g. internalTrafficPolicy: Local) is not supported; meshtun only prefers same-node endpoints", key, lb.RoutingPreference)
+		case slices.Contains(lb.RoutingPreference, workloadapi.LoadBalancing_NODE):
+			// FAILOVER (or unspecified) with NODE among the scopes:
+			// trafficDistribution PreferSameNode. Region, zone and the
+			// other scopes are one locality for meshtun (all nodes alike).
+			s.PreferSameNode = true
+		}
+	}
+	return out, nil
+}
+
+// authorization converts an istio.security.Authorization. A nil result
+// with a nil error is a policy that is not enforced (dry run).
+func (c *converter) authorization(in *security.Authorization) (*policy.Policy, error) {
+	key := in.Namespace + "/" + in.Name
+	if in.DryRun {
+		return nil, nil
+	}
+	if len(in.Extensions) > 0 {
+		return nil, fmt.Errorf("authorization %s has extensions (%s), which meshtun does not understand", key, extNames(in.Extensions))
+	}
+	p := policy.Policy{Name: in.Name, Namespace: in.Namespace}
+	switch in.Action {
+	case security.Action_ALLOW:
+		p.Action = policy.Allow
+	case security.Action_DENY:
+		p.Action = policy.Deny
+	default:
+		return nil, fmt.Errorf("authorization %s: action %v is not supported", key, in.Action)
+	}
+	switch in.Scope {
+	case security.Scope_GLOBAL:
+		if in.Namespace != c.root {
+			return nil, fmt.Errorf("authorization %s has global scope outside the root namespace %s", key, c.root)
+		}
+	case security.Scope_NAMESPACE:
+		if in.Namespace == c.root {
+			return nil, fmt.Errorf("authorization %s has namespace scope in the root namespace (meshtun would apply it mesh-wide)", key)
+		}
+	case security.Scope_WORKLOAD_SELECTOR:
+		p.Selector = map[string]string{policyLabel(key): "true"}
+	default:
+		return nil, fmt.Errorf("authorization %s: scope %v is not supported", key, in.Scope)
+	}
+	for gi, g := range in.Groups {
+		r, err := rule(g)
+		if err != nil {
+			return nil, fmt.Errorf("authorization %s: groups[%d]: %w", key, gi, err)
+		}
+		p.Rules = append(p.Rules, r)
+	}
+	return policy.New(p)
+}
+
+// denyAll is what stands for an authorization meshtun cannot apply: a
+// DENY policy in the same scope whose one empty rule matches every
+// request. Leaving the policy out would fail open (a DENY policy missing,
+// or the only ALLOW policy of a workload missing, lets everything in).
+func (c *converter) denyAll(in *security.Authorization) *policy.Policy {
+	p := policy.Policy{Name: in.Name, Namespace: in.Namespace, Action: policy.Deny, Rules: []policy.Rule{{}}}
+	if in.Scope == security.Scope_WORKLOAD_SELECTOR {
+		p.Selector = map[string]string{policyLabel(in.Namespace + "/" + in.Name): "true"}
+	}
+	if p.Name == "" {
+		p.Name = "unnamed"
+	}
+	if p.Namespace == "" {
+		p.Namespace = c.root // mesh-wide: nothing better is known
+	}
+	out, err := policy.New(p)
+	if err != nil { // cannot happen: name, namespace and action are set
+		panic(err)
+	}
+	return out
+}
+
+// rule converts a group (its rules AND-ed, the matches of each rule
+// OR-ed) into a policy rule: a rule whose matches are all about the
+// source becomes From, one whose matches are all about destination ports
+// becomes To, and any other rule with a single match becomes When
+// conditions (the form istiod gives `when`).
+func rule(g *security.Group) (policy.Rule, error) {
+	var r policy.Rule
+	var haveFrom, haveTo bool
+	for ri, rs := range g.Rules {
+		if len(rs.Matches) == 0 {
+			return r, fmt.Errorf("rules[%d] has no match (it would match nothing)", ri)
+		}
+		srcOnly, portOnly := true, true
+		for _, m := range rs.Matches {
+			if len(m.Extensions) > 0 {
+				return r, fmt.Errorf("rules[%d] has match extensions (%s), which meshtun does not understand", ri, extNames(m.Extensions))
+			}
+			hasSrc := len(m.Namespaces)+len(m.NotNamespaces)+len(m.ServiceAccounts)+len(m.NotServiceAccounts)+
+				len(m.Principals)+len(m.NotPrincipals)+len(m.SourceIps)+len(m.NotSourceIps) > 0
+			hasPorts := len(m.DestinationPorts)+len(m.NotDestinationPorts) > 0
+			hasDstIP := len(m.DestinationIps)+len(m.NotDestinationIps) > 0
+			if hasPorts || hasDstIP {
+				srcOnly = false
+			}
+			if hasSrc || hasDstIP {
+				portOnly = false
+			}
+		}
+		switch {
+		case portOnly && !haveTo:
+			haveTo = true
+			for _, m := range rs.Matches {
+				op := policy.Operation{}
+				var err error
+				if op.Ports, err = ports(m.DestinationPorts); err != nil {
+					return r, fmt.Errorf("rules[%d]: %w", ri, err)
+				}
+				if op.NotPorts, err = ports(m.NotDestinationPorts); err != nil {
+					return r, fmt.Errorf("rules[%d]: %w", ri, err)
+				}
+				r.To = append(r.To, op)
+			}
+		case srcOnly && !haveFrom:
+			haveFrom = true
+			for mi, m := range rs.Matches {
+				src, err := source(m)
+				if err != nil {
+					return r, fmt.Errorf("rules[%d].matches[%d]: %w", ri, mi, err)
+				}
+				r.From = append(r.From, src)
+			}
+		case len(rs.Matches) == 1:
+			cs, err := conditions(rs.Matches[0])
+			if err != nil {
+				return r, fmt.Errorf("rules[%d]: %w", ri, err)
+			}
+			r.When = append(r.When, cs...)
+		default:
+			return r, fmt.Errorf("rules[%d] mixes source and destination attributes across %d matches, which meshtun's rules cannot express", ri, len(rs.Matches))
+		}
+	}
+	return r, nil
+}
+
+func source(m *security.Match) (policy.Source, error) {
+	var s policy.Source
+	var err error
+	s.Principals = stringMatches(m.Principals)
+	s.NotPrincipals = stringMatches(m.NotPrincipals)
+	s.Namespaces = stringMatches(m.Namespaces)
+	s.NotNamespaces = stringMatches(m.NotNamespaces)
+	s.ServiceAccounts = serviceAccounts(m.ServiceAccounts)
+	s.NotServiceAccounts = serviceAccounts(m.NotServiceAccounts)
+	if s.IPBlocks, err = ipBlocks(m.SourceIps); err != nil {
+		return s, err
+	}
+	if s.NotIPBlocks, err = ipBlocks(m.NotSourceIps); err != nil {
+		return s, err
+	}
+	return s, nil
+}
+
+// conditions turns one match (its fields AND-ed) into when conditions.
+func conditions(m *security.Match) ([]policy.Condition, error) {
+	if len(m.ServiceAccounts)+len(m.NotServiceAccounts) > 0 {
+		return nil, errors.New("service accounts in a when-style match are not supported")
+	}
+	var out []policy.Condition
+	add := func(key string, vals, not []string) {
+		if len(vals)+len(not) > 0 {
+			out = append(out, policy.Condition{Key: key, Values: vals, NotValues: not})
+		}
+	}
+	add("source.namespace", stringMatches(m.Namespaces), stringMatches(m.NotNamespaces))
+	add("source.principal", stringMatches(m.Principals), stringMatches(m.NotPrincipals))
+	for _, f := range []struct {
+		key      string
+		vals     []*security.Address
+		not      []*security.Address
+		portVals []uint32
+		portNot  []uint32
+	}{
+		{key: "source.ip", vals: m.SourceIps, not: m.NotSourceIps},
+		{key: "destination.ip", vals: m.DestinationIps, not: m.NotDestinationIps},
+	} {
+		vals, err := cidrStrings(f.vals)
+		if err != nil {
+			return nil, err
+		}
+		not, err := cidrStrings(f.not)
+		if err != nil {
+			return nil, err
+		}
+		add(f.key, vals, not)
+	}
+	add("destination.port", portStrings(m.DestinationPorts), portStrings(m.NotDestinationPorts))
+	return out, nil
+}
+
+// stringMatches writes Istio's string matches in meshtun's (and Istio's
+// YAML) wildcard form: exact, "prefix*", "*suffix", "*" for presence.
+func stringMatches(ms []*security.StringMatch) []string {
+	var out []string
+	for _, m := range ms {
+		switch t := m.MatchType.(type) {
+		case *security.StringMatch_Exact:
+			out = append(out, t.Exact)
+		case *security.StringMatch_Prefix:
+			out = append(out, t.Prefix+"*")
+		case *security.StringMatch_Suffix:
+			out = append(out, "*"+t.Suffix)
+		case *security.StringMatch_Presence:
+			out = append(out, "*")
+		}
+	}
+	return out
+}
+
+func serviceAccounts(ms []*security.ServiceAccountMatch) []string {
+	var out []string
+	for _, m := range ms {
+		out = append(out, m.Namespace+"/"+m.ServiceAccount)
+	}
+	return out
+}
+
+func ipBlocks(as []*security.Address) ([]policy.IPBlock, error) {
+	var out []policy.IPBlock
+	for _, a := range as {
+		p, err := prefix(a)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, policy.IPBlock{CIDR: p})
+	}
+	return out, nil
+}
+
+func cidrStrings(as []*security.Address) ([]string, error) {
+	var out []string
+	for _, a := range as {
+		p, err := prefix(a)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, p.String())
+	}
+	return out, nil
+}
+
+func prefix(a *security.Address) (netip.Prefix, error) {
+	ip, ok := netip.AddrFromSlice(a.Address)
+	if !ok {
+		return netip.Prefix{}, fmt.Errorf("address of %d bytes is not an IPv4 or IPv6 address", len(a.Address))
+	}
+	p, err := ip.Prefix(int(a.Length))
+	if err != nil || int(a.Length) > ip.BitLen() {
+		return netip.Prefix{}, fmt.Errorf("%s/%d is not a valid CIDR", ip, a.Length)
+	}
+	if ip.Is4In6() && a.Length >= 96 {
+		p = netip.PrefixFrom(ip.Unmap(), int(a.Length)-96)
+	}
+	return p.Masked(), nil
+}
+
+func ports(ps []uint32) ([]uint16, error) {
+	var out []uint16
+	for _, p := range ps {
+		if p == 0 || p > 65535 {
+			return nil, fmt.Errorf("port %d out of range", p)
+		}
+		out = append(out, uint16(p))
+	}
+	return out, nil
+}
+
+func portStrings(ps []uint32) []string {
+	var out []string
+	for _, p := range ps {
+		out = append(out, strconv.FormatUint(uint64(p), 10))
+	}
+	return out
+}
+
+func gatewayString(g *workloadapi.GatewayAddress) string {
+	if g == nil {
+		return "(weighted)"
+	}
+	switch d := g.Destination.(type) {
+	case *workloadapi.GatewayAddress_Hostname:
+		return d.Hostname.GetNamespace() + "/" + d.Hostname.GetHostname()
+	case *workloadapi.GatewayAddress_Address:
+		if a, ok := netip.AddrFromSlice(d.Address.GetAddress()); ok {
+			return netip.AddrPortFrom(a.Unmap(), uint16(g.HboneMtlsPort)).String()
+		}
+	}
+	return "(unknown)"
+}
+
+func extNames(es []*workloadapi.Extension) string {
+	names := make([]string, len(es))
+	for i, e := range es {
+		names[i] = e.Name
+	}
+	return strings.Join(names, ", ")
+}

@@ -1,0 +1,128 @@
+package xds
+
+import (
+	"sort"
+
+	"github.com/meshtun/meshtun/mesh/policy"
+	"github.com/meshtun/meshtun/mesh/registry"
+)
+
+// addrEntry is one istio.workload.Address resource as applied: a
+// workload, a service, or neither (a resource meshtun accepts but does not
+// model).
+type addrEntry struct {
+	version string
+	w       *workload
+	s       *service
+}
+
+// authzEntry is one istio.security.Authorization resource as applied; p
+// is nil for a policy that is not enforced (dry run).
+type authzEntry struct {
+	version string
+	p       *policy.Policy
+}
+
+// state is the applied resources of both types, by resource name.
+type state struct {
+	addrs map[string]addrEntry
+	authz map[string]authzEntry
+}
+
+func (s state) clone() state {
+	n := state{addrs: make(map[string]addrEntry, len(s.addrs)), authz: make(map[string]authzEntry, len(s.authz))}
+	for k, v := range s.addrs {
+		n.addrs[k] = v
+	}
+	for k, v := range s.authz {
+		n.authz[k] = v
+	}
+	return n
+}
+
+// model assembles the registry model of a state: workloads in resource
+// name order, services with their endpoints (the workloads that list
+// them) and the target ports the endpoints give, policies after the
+// config file's.
+func (src *Source) model(st state) registry.Model {
+	m := registry.Model{
+		TrustDomain: src.cfg.TrustDomain, RootNamespace: src.cfg.RootNamespace,
+		DomainSuffix: src.cfg.DomainSuffix,
+	}
+	names := sortedKeys(st.addrs)
+	type member struct {
+		ref   registry.WorkloadRef
+		ports map[uint32]uint32 // service port → target port
+	}
+	members := map[string][]member{}
+	for _, n := range names {
+		e := st.addrs[n]
+		if e.w == nil {
+			continue
+		}
+		m.Workloads = append(m.Workloads, e.w.w)
+		ref := registry.WorkloadRef{Namespace: e.w.w.Namespace, Name: e.w.w.Name}
+		for key, ps := range e.w.services {
+			mb := member{ref: ref}
+			for _, p := range ps {
+				if mb.ports == nil {
+					mb.ports = map[uint32]uint32{}
+				}
+				mb.ports[p.ServicePort] = p.TargetPort
+			}
+			members[key] = append(members[key], mb)
+		}
+	}
+	seen := map[registry.WorkloadRef]bool{}
+	for _, n := range names {
+		e := st.addrs[n]
+		if e.s == nil {
+			continue
+		}
+		svc := *e.s.s
+		if ref := (registry.WorkloadRef{Namespace: svc.Namespace, Name: svc.Name}); seen[ref] {
+			svc.Name = svc.Hostname // two services of one name (a ServiceEntry's hosts)
+		}
+		seen[registry.WorkloadRef{Namespace: svc.Namespace, Name: svc.Name}] = true
+		mbs := members[e.s.key]
+		svc.Workloads = make([]registry.WorkloadRef, 0, len(mbs))
+		for _, mb := range mbs {
+			svc.Workloads = append(svc.Workloads, mb.ref)
+		}
+		sort.Slice(svc.Workloads, func(i, j int) bool { return svc.Workloads[i].String() < svc.Workloads[j].String() })
+		if len(e.s.unknownTarget) > 0 {
+			svc.Ports = append([]registry.ServicePort(nil), svc.Ports...)
+			for i := range svc.Ports {
+				p := &svc.Ports[i]
+				if !e.s.unknownTarget[p.Port] {
+					continue
+				}
+				// A named targetPort: the endpoints know the number (the
+				// first endpoint that does wins).
+				for _, mb := range mbs {
+					if t := mb.ports[uint32(p.Port)]; t != 0 && t <= 65535 {
+						p.TargetPort = uint16(t)
+						break
+					}
+				}
+			}
+		}
+		m.Services = append(m.Services, &svc)
+	}
+	m.Policies = append(m.Policies, src.cfg.Policies...)
+	for _, n := range sortedKeys(st.authz) {
+		if p := st.authz[n].p; p != nil {
+			m.Policies = append(m.Policies, p)
+		}
+	}
+	return m
+}
+
+func sortedKeys[V any](m map[string]V) []string {
+	out := make([]string, 0, len(m))
+	for k := range m {
+		out = append(out, k)
+	}
+	sort.Strings(out)
+	return out
+}

@@ -1,0 +1,347 @@
+package kube
+
+import (
+	"context"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	authv1 "k8s.io/api/authentication/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/meshtun/meshtun/test/cluster"
+	"github.com/meshtun/meshtun/test/noderun"
+)
+
+// waitRedirected waits until the pod carries the redirection annotation
+// (want) or not, as meshtun's --redirect-pods sets it.
+func waitRedirected(t *testing.T, cs *kubernetes.Clientset, ns, name string, want bool) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		p, err := cs.CoreV1().Pods(ns).Get(context.Background(), name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if (p.Annotations["ambient.istio.io/redirection"] == "enabled") == want {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("pod %s/%s: redirection annotation %q after 20s, want set=%v", ns, name, p.Annotations["ambient.istio.io/redirection"], want)
+		}
+		time.Sleep(100 * time.Millisecond) // no watch for one annotation
+	}
+}
+
+// accessLog returns m's access log line of the connection from src if it
+// appears within 2s (a connection the node did not capture has none).
+func accessLog(m *noderun.Process, src netip.AddrPort) (noderun.Line, bool) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	l, err := m.WaitLogSince(ctx, 0, accessLine(src))
+	return l, err == nil
+}
+
+// istiodT builds (once, cached) and starts istiod against cp.
+func istiodT(t *testing.T, cp *ControlPlane, trusted ...string) *Istiod {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Minute)
+	defer cancel()
+	start := time.Now()
+	bin, err := BuildIstiod(ctx, t.Logf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d := time.Since(start); d > time.Minute {
+		t.Logf("pilot-discovery was built in %s (cold)", d.Round(time.Second))
+	}
+	sctx, scancel := context.WithTimeout(ctx, 2*time.Minute)
+	defer scancel()
+	d, err := cp.StartIstiod(sctx, bin, IstiodConfig{TrustedNodeAccounts: trusted})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("istiod log:\n%s", d.LogTail(80))
+		}
+		d.Stop()
+	})
+	return d
+}
+
+// istiodFiles writes what a meshtun pod in place of ztunnel has mounted:
+// the istio-ca-root-cert ConfigMap istiod puts in every namespace, and a
+// projected token of the node's service account with audience istio-ca.
+func istiodFiles(t *testing.T, cp *ControlPlane, dir string) (root, token, kubeconfig string) {
+	t.Helper()
+	ctx := context.Background()
+	deadline := time.Now().Add(time.Minute)
+	for { // istiod's namespace controller writes it; no watch for one object
+		cm, err := cp.Admin.CoreV1().ConfigMaps("istio-system").Get(ctx, "istio-ca-root-cert", metav1.GetOptions{})
+		if err == nil && cm.Data["root-cert.pem"] != "" {
+			root = filepath.Join(dir, "root-cert.pem")
+			if err := os.WriteFile(root, []byte(cm.Data["root-cert.pem"]), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("istiod wrote no istio-ca-root-cert ConfigMap into istio-system: %v", err)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	tok, err := cp.Admin.CoreV1().ServiceAccounts("istio-system").CreateToken(ctx, "ztunnel",
+		&authv1.TokenRequest{Spec: authv1.TokenRequestSpec{Audiences: []string{"istio-ca"}, ExpirationSeconds: new(int64(3600))}}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	token = filepath.Join(dir, "istio-token")
+	if err := os.WriteFile(token, []byte(tok.Status.Token), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	// The API server's own token of the account, for --redirect-pods.
+	apiTok, err := cp.Admin.CoreV1().ServiceAccounts("istio-system").CreateToken(ctx, "ztunnel",
+		&authv1.TokenRequest{Spec: authv1.TokenRequestSpec{ExpirationSeconds: new(int64(3600))}}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	kubeconfig = filepath.Join(dir, "kubeconfig")
+	if err := os.WriteFile(kubeconfig, cp.Kubeconfig(apiTok.Status.Token), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return root, token, kubeconfig
+}
+
+var authzGVR = schema.GroupVersionResource{Group: "security.istio.io", Version: "v1", Resource: "authorizationpolicies"}
+
+// TestIstiod runs meshtun on two nodes in place of ztunnel, with the mesh
+// model from a real istiod (delta xDS) that watches a real API server.
+//
+// It needs istiod's pilot-discovery, built once into the cache (20 minutes
+// or more cold): it runs when MESHTUN_TEST_ISTIOD=1 or when the binary is
+// already cached.
+func TestIstiod(t *testing.T) {
+	if os.Getenv("MESHTUN_TEST_ISTIOD") != "1" {
+		if dir, err := CacheDir(); err != nil || !exists(filepath.Join(dir, "bin", "pilot-discovery-"+IstioVersion)) {
+			t.Skip("pilot-discovery is not cached; MESHTUN_TEST_ISTIOD=1 builds it (20+ minutes cold)")
+		}
+	}
+	c := cluster.NewT(t, cluster.Spec{Name: "istd", Nodes: 2, PodsPerNode: 2})
+	cp := controlPlaneT(t, c)
+	ctx := context.Background()
+	ms := applyDeploy(t, cp)
+	dir := t.TempDir()
+	cfgPath := nodeConfig(t, ms, dir)
+	// The nodes run as deploy/istio's account (ztunnel's, which istiod
+	// trusts by default) with its RBAC, applied server-side; nothing runs
+	// its DaemonSet (no controller manager), the test starts the nodes.
+	istiod := istiodT(t, cp, "istio-system/ztunnel")
+	istioMs, err := ReadManifests("../../deploy/istio")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cp.Apply(ctx, istioMs, false); err != nil {
+		t.Fatalf("deploy/istio: %v", err)
+	}
+	root, token, kubeconfig := istiodFiles(t, cp, dir)
+
+	n1, n2 := c.Nodes[0], c.Nodes[1]
+	p11 := n1.Pods[0]
+	p21, p22 := n2.Pods[0], n2.Pods[1]
+	k := kubelet{t: t, cs: cp.Admin}
+	k.namespace("apps", true)
+	k.run(p11, "apps", "client", "client", map[string]string{"app": "client"})
+	k.run(p21, "apps", "server", "server", map[string]string{"app": "server"})
+	echo(t, p21, 8080)
+	echo(t, p22, 8080)
+
+	start := func(n *cluster.Node) *noderun.Process {
+		sctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+		defer cancel()
+		m, err := noderun.Start(sctx, meshtunBin, n, "--config", cfgPath,
+			"--xds-address", istiod.Addr.String(), "--xds-server-name", istiod.ServerName,
+			"--xds-root-cert", root, "--xds-token", token,
+			"--pod-name", "meshtun-"+noderun.NodeName(n), "--pod-namespace", "istio-system",
+			"--service-account", "ztunnel", "--instance-ip", n.IPv4.String(), "--cluster-id", "Kubernetes",
+			"--redirect-pods", "--kubeconfig", kubeconfig)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { m.Stop(9) })
+		return m
+	}
+	m1, m2 := start(n1), start(n2)
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("node 1 log:\n%s\nnode 2 log:\n%s", m1.Logs(), m2.Logs())
+		}
+	})
+
+	// until retries fn until it returns a valid connection source.
+	until := func(what string, fn func() netip.AddrPort) netip.AddrPort {
+		t.Helper()
+		deadline := time.Now().Add(30 * time.Second)
+		for {
+			if src := fn(); src.IsValid() {
+				return src
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: no connection within 30s", what)
+			}
+			time.Sleep(200 * time.Millisecond)
+		}
+	}
+
+	t.Run("mesh TCP across nodes through istiod's model", func(t *testing.T) {
+		// Each node marked its own enrolled pod as istio-cni would.
+		waitRedirected(t, cp.Admin, "apps", "client", true)
+		waitRedirected(t, cp.Admin, "apps", "server", true)
+		for _, dst := range []netip.Addr{p21.IPv4, p21.IPv6} {
+			var out noderun.Line
+			until("hbone to "+dst.String(), func() netip.AddrPort {
+				src := roundTripMaybe(p11, netip.AddrPortFrom(dst, 8080))
+				if !src.IsValid() {
+					return src
+				}
+				// Before istiod's model marks the client HBONE, node 1
+				// does not capture it and logs nothing.
+				var ok bool
+				if out, ok = accessLog(m1, src); !ok || out.Str("route") != "hbone" {
+					return netip.AddrPort{}
+				}
+				return src
+			})
+			wantField(t, out, "src.identity", spiffe("apps", "client"))
+			wantField(t, out, "dst.identity", spiffe("apps", "server"))
+			in := waitLog(t, m2, 0, "inbound access log", accessLine(netip.MustParseAddrPort(out.Str("src.addr"))))
+			wantField(t, in, "direction", "inbound")
+			wantField(t, in, "src.identity", spiffe("apps", "client"))
+		}
+	})
+
+	t.Run("AuthorizationPolicy from the API server denies", func(t *testing.T) {
+		pol := &unstructured.Unstructured{Object: map[string]any{
+			"apiVersion": "security.istio.io/v1", "kind": "AuthorizationPolicy",
+			"metadata": map[string]any{"name": "deny-client", "namespace": "apps"},
+			"spec": map[string]any{
+				"selector": map[string]any{"matchLabels": map[string]any{"app": "server"}},
+				"action":   "DENY",
+				"rules": []any{map[string]any{"from": []any{map[string]any{"source": map[string]any{
+					"principals": []any{"cluster.local/ns/apps/sa/client"},
+				}}}}},
+			},
+		}}
+		if err := cp.Apply(ctx, []Manifest{{File: "test", Obj: pol}}, false); err != nil {
+			t.Fatal(err)
+		}
+		deadline := time.Now().Add(30 * time.Second)
+		for roundTripMaybe(p11, netip.AddrPortFrom(p21.IPv4, 8080)).IsValid() {
+			if time.Now().After(deadline) {
+				t.Fatal("the client still reaches the server 30s after the DENY policy was created")
+			}
+			time.Sleep(200 * time.Millisecond)
+		}
+		l := waitLog(t, m2, 0, "refusal by the policy", func(l noderun.Line) bool {
+			return l.Str("direction") == "inbound" && l.Str("message") == "connection refused" && strings.Contains(l.Str("error"), "apps/deny-client")
+		})
+		wantField(t, l, "src.identity", spiffe("apps", "client"))
+		dyn, err := dynamic.NewForConfig(cp.AdminConfig)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := dyn.Resource(authzGVR).Namespace("apps").Delete(ctx, "deny-client", metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		until("policy deleted", func() netip.AddrPort { return roundTripMaybe(p11, netip.AddrPortFrom(p21.IPv4, 8080)) })
+	})
+
+	t.Run("a service meshtun cannot apply is NACKed, the rest applies", func(t *testing.T) {
+		mark := m1.Len()
+		k.run(p22, "apps", "later", "later", map[string]string{"app": "later"})
+		// internalTrafficPolicy: Local is istiod's load balancing mode
+		// STRICT on NODE, which meshtun does not do: refused. The other
+		// service, created after it, applies.
+		local := corev1.ServiceInternalTrafficPolicyLocal
+		for _, svc := range []*corev1.Service{
+			{ObjectMeta: metav1.ObjectMeta{Name: "local-only"}, Spec: corev1.ServiceSpec{
+				Selector: map[string]string{"app": "later"}, InternalTrafficPolicy: &local,
+				Ports: []corev1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromString("http")}},
+			}},
+			{ObjectMeta: metav1.ObjectMeta{Name: "web"}, Spec: corev1.ServiceSpec{
+				Selector: map[string]string{"app": "later"}, IPFamilyPolicy: new(corev1.IPFamilyPolicyRequireDualStack),
+				Ports: []corev1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromString("http")}},
+			}},
+		} {
+			if _, err := cp.Admin.CoreV1().Services("apps").Create(ctx, svc, metav1.CreateOptions{}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		l := waitLog(t, m1, mark, "NACK of the local-only service", func(l noderun.Line) bool {
+			return l.Str("message") == "NACK" && strings.Contains(l.Str("error"), "apps/local-only.apps.svc.cluster.local") && strings.Contains(l.Str("error"), "STRICT")
+		})
+		t.Logf("NACK: %s", l.Str("error"))
+		web, err := cp.Admin.CoreV1().Services("apps").Get(ctx, "web", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, ip := range web.Spec.ClusterIPs {
+			vip := netip.AddrPortFrom(netip.MustParseAddr(ip), 80)
+			var out noderun.Line
+			until("the web service at "+vip.String(), func() netip.AddrPort {
+				src := roundTripMaybe(p11, vip)
+				if !src.IsValid() {
+					return src
+				}
+				// Until istiod's model has the later pod as HBONE (its
+				// node annotates it first), the service may reach it in
+				// plaintext.
+				var ok bool
+				if out, ok = accessLog(m1, src); !ok || out.Str("route") != "hbone" {
+					return netip.AddrPort{}
+				}
+				return src
+			})
+			wantField(t, out, "dst.service", "web.apps.svc.cluster.local")
+			wantField(t, out, "dst.identity", spiffe("apps", "later"))
+			ep := p22.IPv4
+			if vip.Addr().Is6() {
+				ep = p22.IPv6
+			}
+			wantField(t, out, "dst.hbone_addr", netip.AddrPortFrom(ep, 15008).String())
+		}
+	})
+
+	t.Run("istiod restarted: the model stays, the node resubscribes", func(t *testing.T) {
+		mark := m1.Len()
+		istiod.Stop()
+		waitLog(t, m1, mark, "stream ended", func(l noderun.Line) bool {
+			return strings.Contains(l.Str("message"), "istiod stream ended")
+		})
+		src := roundTrip(t, p11, netip.AddrPortFrom(p21.IPv4, 8080))
+		l := waitLog(t, m1, 0, "connection while istiod is down", accessLine(src))
+		wantField(t, l, "route", "hbone")
+		mark = m1.Len()
+		sctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+		defer cancel()
+		if err := istiod.Start(sctx); err != nil {
+			t.Fatal(err)
+		}
+		// The node subscribes again and applies istiod's full state.
+		waitLog(t, m1, mark, "resubscribed", func(l noderun.Line) bool {
+			return l.Str("message") == "applied istiod's update" && l.Str("type") == "type.googleapis.com/istio.workload.Address"
+		})
+		src = roundTrip(t, p11, netip.AddrPortFrom(p21.IPv4, 8080))
+		l = waitLog(t, m1, 0, "connection after the restart", accessLine(src))
+		wantField(t, l, "dst.identity", spiffe("apps", "server"))
+	})
+}
