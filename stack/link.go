@@ -5,6 +5,7 @@ import (
 	"os"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/rs/zerolog"
 	"gvisor.dev/gvisor/pkg/buffer"
@@ -71,6 +72,7 @@ type linkEndpoint struct {
 	stop    atomic.Bool
 	scratch sync.Pool // of *writeScratch
 	stats   *linkStats
+	acks    *ackDelayer // nil: every ACK is written at once
 
 	mu         sync.RWMutex
 	dispatcher stack.NetworkDispatcher
@@ -81,8 +83,14 @@ var (
 	_ stack.GSOEndpoint  = (*linkEndpoint)(nil)
 )
 
-func newLinkEndpoint(dev Device, cls *classify.Classifier, log zerolog.Logger, stats *linkStats) *linkEndpoint {
+func newLinkEndpoint(dev Device, cls *classify.Classifier, log zerolog.Logger, stats *linkStats, ackDelay time.Duration) *linkEndpoint {
 	e := &linkEndpoint{dev: dev, cls: cls, mtu: uint32(dev.MTU()), log: log, stats: stats}
+	if ackDelay > 0 {
+		e.acks = newAckDelayer(ackDelay, func(frame []byte) error {
+			_, err := dev.Write(frame)
+			return err
+		})
+	}
 	if od, ok := dev.(OffloadDevice); ok {
 		e.vdev = od
 		e.vnet = od.VnetHdrLen()
@@ -220,7 +228,11 @@ func (e *linkEndpoint) writePacket(pkt *stack.PacketBuffer) error {
 	if e.vdev == nil {
 		v := pkt.ToView()
 		b := v.AsSlice()
-		e.cls.Outbound(b)
+		advance, known := e.cls.OutboundAck(b)
+		if e.holdACK(pkt, b, advance, known, [][]byte{b}) {
+			v.Release()
+			return nil
+		}
 		_, err := e.dev.Write(b)
 		v.Release()
 		return err
@@ -236,12 +248,38 @@ func (e *linkEndpoint) writePacket(pkt *stack.PacketBuffer) error {
 		bufs, skip = append(bufs, w.hdr[:e.vnet]), 1
 	}
 	bufs = appendPacketSlices(bufs, pkt)
-	e.cls.Outbound(headersOf(pkt, bufs[skip:]))
-	_, err := e.vdev.Writev(bufs)
+	hdr := headersOf(pkt, bufs[skip:])
+	advance, known := e.cls.OutboundAck(hdr)
+	var err error
+	if !e.holdACK(pkt, hdr, advance, known, bufs) {
+		_, err = e.vdev.Writev(bufs)
+	}
 	clear(bufs)
 	w.bufs = bufs[:0]
 	e.scratch.Put(w)
 	return err
+}
+
+// holdACK offers an outbound TCP packet to the ACK delayer (see
+// ackDelayer) and reports whether it was held. hdr holds the packet's
+// headers, frame the whole packet as it would be written; advance and known
+// are the classifier's (OutboundAck).
+func (e *linkEndpoint) holdACK(pkt *stack.PacketBuffer, hdr []byte, advance uint32, known bool, frame [][]byte) bool {
+	if e.acks == nil {
+		return false
+	}
+	k, ack, pure, ok := pureACK(hdr, pkt.Data().Size())
+	if !ok {
+		return false
+	}
+	mss := uint32(pkt.GSOOptions.MSS)
+	if mss == 0 {
+		mss = defaultMSS
+	}
+	if !pure || !known || advance >= 2*mss {
+		frame = nil
+	}
+	return e.acks.packet(&k, ack, pure, frame)
 }
 
 // writeScratch is a packet's Writev argument list and virtio-net header,
@@ -374,4 +412,9 @@ func (e *linkEndpoint) IsAttached() bool {
 	return e.dispatcher != nil
 }
 
-func (e *linkEndpoint) Close() { e.stop.Store(true) }
+func (e *linkEndpoint) Close() {
+	e.stop.Store(true)
+	if e.acks != nil {
+		e.acks.close()
+	}
+}

@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/rs/zerolog"
 	"gvisor.dev/gvisor/pkg/tcpip"
@@ -53,7 +54,11 @@ type Config struct {
 	Classifier *classify.Classifier
 	// HandleTCP receives intercepted TCP connections. Required.
 	HandleTCP TCPHandler
-	Logger    zerolog.Logger
+	// AckDelay, if positive, holds the netstack's pure ACKs back for up
+	// to this long, so that a reply within that time carries the
+	// acknowledgment instead (see ackDelayer). 0 writes every ACK at once.
+	AckDelay time.Duration
+	Logger   zerolog.Logger
 }
 
 // linkStats are the link endpoint's counters, read through Stack.Stats.
@@ -133,7 +138,7 @@ func New(cfg Config) (*Stack, error) {
 		st.s.Destroy()
 		return nil, err
 	}
-	st.link = newLinkEndpoint(cfg.Device, cfg.Classifier, cfg.Logger, &st.stats)
+	st.link = newLinkEndpoint(cfg.Device, cfg.Classifier, cfg.Logger, &st.stats, cfg.AckDelay)
 	if err := st.s.CreateNIC(nicID, st.link); err != nil {
 		st.s.Destroy()
 		return nil, fmt.Errorf("stack: create NIC: %s", err)
@@ -217,12 +222,14 @@ type Counters struct {
 	TCPRetransmits      uint64 // segments the netstack's TCP retransmitted
 	ForwarderDrops      uint64 // SYNs dropped: too many connections pending
 	PendingDrops        uint64 // SYNs dropped: their source had its share of pending connections
+	AcksElided          uint64 // pure ACKs held back and then superseded by a later packet (AckDelay)
+	AcksDelayed         uint64 // pure ACKs held back and written later (AckDelay)
 }
 
 // Stats returns a snapshot of the stack's counters.
 func (st *Stack) Stats() Counters {
 	tcp := st.s.Stats().TCP
-	return Counters{
+	c := Counters{
 		Drops:               st.stats.Drops.Load(),
 		VerbatimWriteErrors: st.stats.VerbatimWriteErrors.Load(),
 		BadChecksums:        st.stats.BadChecksums.Load(),
@@ -230,6 +237,11 @@ func (st *Stack) Stats() Counters {
 		ForwarderDrops:      tcp.ForwardMaxInFlightDrop.Value(),
 		PendingDrops:        st.stats.PendingDrops.Load(),
 	}
+	if a := st.link.acks; a != nil {
+		c.AcksElided = a.dropped.Load()
+		c.AcksDelayed = a.flushed.Load()
+	}
+	return c
 }
 
 // DialTCP opens a TCP connection from src to dst through the netstack: the

@@ -78,6 +78,10 @@ type Config struct {
 	// the TUN, as when the kernel cannot deliver a pod's port 15008 to a
 	// node socket (the fallback; for tests and comparisons).
 	HBONEOnNetstack bool
+	// AckDelay holds the netstack's pure ACKs back for up to this long,
+	// for a reply to carry the acknowledgment (stack.Config.AckDelay); 0
+	// writes every ACK at once.
+	AckDelay time.Duration
 	// AdminAddr is where the admin HTTP server listens (/config_dump,
 	// /logging, /debug/pprof/); empty disables it. Keep it on loopback.
 	AdminAddr string
@@ -278,6 +282,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 		Device:     dev,
 		Classifier: n.cls,
 		HandleTCP:  n.px.HandleTCP,
+		AckDelay:   cfg.AckDelay,
 		Logger:     log,
 	})
 	if err != nil {

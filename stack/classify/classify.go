@@ -531,15 +531,24 @@ func (c *Classifier) insert(s *shard, i int, k *flowKey, h uint32, syn *segment,
 // cut off. A SYN registers a flow so that its replies are intercepted; other
 // TCP packets keep their flow alive and track its sequence numbers, FIN and
 // RST.
-func (c *Classifier) Outbound(hdr []byte) {
+func (c *Classifier) Outbound(hdr []byte) { c.OutboundAck(hdr) }
+
+// OutboundAck is Outbound, and also reports how far the packet's
+// acknowledgment number moves past that of the netstack's previous ACK
+// from the same endpoint of the flow (a passthrough flow has the netstack
+// at both ends, each with its own). known is false when there is no such
+// earlier ACK (the handshake's ACK of a connection the netstack dials, the
+// first packet after a SYN), when the packet carries no ACK, or when it is
+// not a tracked TCP segment.
+func (c *Classifier) OutboundAck(hdr []byte) (advance uint32, known bool) {
 	c.st.outbound.Add(1)
 	var seg segment
 	switch res, _ := parse(hdr, false, &seg); res {
 	case parsedOther:
-		return
+		return 0, false
 	case parsedMalformed:
 		c.st.outMalformed.Add(1)
-		return
+		return 0, false
 	}
 	h := seg.key.hash(&c.seed)
 	s := c.shardFor(h)
@@ -556,7 +565,16 @@ func (c *Classifier) Outbound(hdr []byte) {
 	}
 	switch {
 	case ok:
-		s.track(&s.slots[i], &seg, true, now)
+		f := &s.slots[i]
+		s.track(f, &seg, true, now)
+		if seg.flags&tcpACK != 0 {
+			side := sideOf(seg.fromLo)
+			if f.flags&(flagAckLo<<side) != 0 {
+				advance, known = seg.ack-f.ack[side], true
+			}
+			f.ack[side] = seg.ack
+			f.flags |= flagAckLo << side
+		}
 	case syn:
 		if c.insert(s, i, &seg.key, uint32(h), &seg, now) == nil {
 			c.st.outTableFull.Add(1)
@@ -564,6 +582,7 @@ func (c *Classifier) Outbound(hdr []byte) {
 	default:
 		c.st.outNoFlow.Add(1)
 	}
+	return advance, known
 }
 
 // Own marks the flow between a and b as held by the netstack: a

@@ -848,3 +848,41 @@ func TestStatsByProto(t *testing.T) {
 		t.Errorf("ProtoICMP.String() = %q", ProtoICMP.String())
 	}
 }
+
+// TestOutboundAck: OutboundAck reports how far the netstack's
+// acknowledgment moved since its previous ACK on the flow, and nothing for
+// the first ACK (a dial's handshake ACK), a SYN, or a packet of no flow.
+func TestOutboundAck(t *testing.T) {
+	for _, fam := range families {
+		t.Run(fam.name, func(t *testing.T) {
+			c := New(Config{})
+			client, server := fam.outside, fam.b
+			l3 := 20
+			if client.Addr().Is6() {
+				l3 = 40
+			}
+			ackOf := func(n uint32) []byte {
+				p := tcp(client, server, tcpACK)
+				binary.BigEndian.PutUint32(p[l3+8:], n)
+				return p
+			}
+			if _, known := c.OutboundAck(tcp(client, server, tcpSYN)); known {
+				t.Fatal("SYN: known")
+			}
+			expect(t, c, tcp(server, client, tcpSYN|tcpACK), Intercept, NoDrop)
+			if _, known := c.OutboundAck(ackOf(5001)); known {
+				t.Fatal("handshake ACK: known")
+			}
+			if adv, known := c.OutboundAck(ackOf(5065)); !known || adv != 64 {
+				t.Fatalf("second ACK: advance %d known %v, want 64 true", adv, known)
+			}
+			if adv, known := c.OutboundAck(ackOf(5065)); !known || adv != 0 {
+				t.Fatalf("same ACK again: advance %d known %v, want 0 true", adv, known)
+			}
+			other := netip.AddrPortFrom(client.Addr(), client.Port()+1)
+			if _, known := c.OutboundAck(tcp(other, server, tcpACK)); known {
+				t.Fatal("no flow: known")
+			}
+		})
+	}
+}

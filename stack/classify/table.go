@@ -62,6 +62,8 @@ const (
 	flagSeqHi                        // end[1] and win[1] are known
 	flagWSLo                         // the low endpoint offered window scaling (ws[0])
 	flagWSHi                         // the high endpoint offered window scaling (ws[1])
+	flagAckLo                        // ack[0] is known: the netstack sent an ACK from the low endpoint
+	flagAckHi                        // ack[1] is known
 )
 
 // Sides of a flow, as indexes of its per-endpoint fields.
@@ -77,12 +79,13 @@ func sideOf(fromLo bool) int {
 	return sideHi
 }
 
-// flow is one slot of the open-addressing table (80 bytes).
+// flow is one slot of the open-addressing table (88 bytes).
 type flow struct {
 	key    flowKey
 	last   int64     // coarse clock when the state last changed or a packet was seen
 	end    [2]uint32 // per side: highest sequence number sent, plus one past its data, SYN and FIN
 	win    [2]uint32 // per side: largest receive window advertised, scaled
+	ack    [2]uint32 // per side: acknowledgment number of the netstack's last ACK from it (flagAckLo)
 	hash   uint32    // low bits of the key's hash, for deletion without rehashing
 	flags  uint16
 	ws     [2]uint8 // per side: window scale offered in its SYN
@@ -284,7 +287,7 @@ func (s *shard) track(f *flow, seg *segment, trusted bool, now int64) bool {
 			f.ws[side] = uint8(seg.wscale)
 			f.flags |= flagWSLo << side
 		}
-		f.flags &^= seqFlag(side) // a SYN (re)starts the side's sequence space
+		f.flags &^= seqFlag(side) | flagAckLo<<side // a SYN (re)starts the side's sequence space
 		f.advance(side, seg)
 	} else {
 		f.advance(side, seg)
