@@ -240,3 +240,43 @@ func TestRelayIdleHoldsNoGoroutine(t *testing.T) {
 		t.Fatal("relay did not end after both EOFs")
 	}
 }
+
+// hintedConn is a memConn that prefers writes of at most hint bytes.
+type hintedConn struct {
+	*memConn
+	hint int
+}
+
+func (c hintedConn) WriteSizeHint() int { return c.hint }
+
+// TestRelayWriteSizeHint: the relay reads at most the destination's
+// WriteSizeHint at a time (hbone.Conn: whole TLS records), so no write to
+// it is larger; a destination without a hint gets up to relayBufSize.
+func TestRelayWriteSizeHint(t *testing.T) {
+	const hint = 1000
+	for _, c := range []struct {
+		name string
+		hint int
+		want int // largest write
+	}{{"hint", hint, hint}, {"no hint", 0, relayBufSize}} {
+		t.Run(c.name, func(t *testing.T) {
+			src := newMemConn()
+			dst := hintedConn{newMemConn(), c.hint}
+			src.feed(make([]byte, 3*relayBufSize))
+			src.feed(nil)
+			dst.feed(nil)
+			go func() {
+				relayAndWait(src, dst, nil, nil)
+				close(dst.out)
+			}()
+			largest, total := 0, 0
+			for s := range dst.out {
+				largest = max(largest, len(s))
+				total += len(s)
+			}
+			if largest != c.want || total != 3*relayBufSize {
+				t.Fatalf("largest write %d of %d bytes, want %d of %d", largest, total, c.want, 3*relayBufSize)
+			}
+		})
+	}
+}
