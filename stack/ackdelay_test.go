@@ -183,3 +183,72 @@ func TestPureACK(t *testing.T) {
 		t.Error("a truncated header parsed")
 	}
 }
+
+// TestAckDelayerRules: a held ACK is dropped for a later packet of its
+// flow that acknowledges more, written first when the later one is a pure
+// ACK of the same byte (a window update or duplicate ACK), written at the
+// deadline otherwise, and never after close.
+func TestAckDelayerRules(t *testing.T) {
+	written := make(chan string, 16)
+	d := newAckDelayer(time.Hour, func(b []byte) error { written <- string(b); return nil })
+	defer d.close()
+	k := ackKey{sport: 1, dpt: 2}
+	other := ackKey{sport: 3, dpt: 2}
+	frame := func(s string) [][]byte { return [][]byte{[]byte(s[:1]), []byte(s[1:])} }
+	none := func() {
+		t.Helper()
+		select {
+		case w := <-written:
+			t.Fatalf("wrote %q", w)
+		default:
+		}
+	}
+
+	if !d.packet(&k, 100, true, frame("ack100")) {
+		t.Fatal("pure ACK not held")
+	}
+	if d.packet(&other, 7, false, nil) {
+		t.Fatal("another flow's packet held")
+	}
+	none()
+	if d.packet(&k, 164, false, nil) { // the response
+		t.Fatal("data held")
+	}
+	none() // superseded: dropped
+	if d.dropped.Load() != 1 {
+		t.Fatalf("dropped %d, want 1", d.dropped.Load())
+	}
+
+	d.packet(&k, 200, true, frame("ack200"))
+	if d.packet(&k, 200, true, nil) { // window update, same ack
+		t.Fatal("second ACK held")
+	}
+	if w := <-written; w != "ack200" {
+		t.Fatalf("wrote %q, want the held ACK first", w)
+	}
+
+	d.close()
+	d = newAckDelayer(time.Millisecond, d.write)
+	defer d.close()
+	start := time.Now()
+	d.packet(&k, 300, true, frame("ack300"))
+	select {
+	case w := <-written:
+		if w != "ack300" || time.Since(start) < time.Millisecond {
+			t.Fatalf("wrote %q after %v", w, time.Since(start))
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("held ACK never written")
+	}
+	if d.pending.Load() != 0 || len(d.held) != 0 {
+		t.Fatalf("%d pending after the flush", d.pending.Load())
+	}
+
+	d.packet(&k, 400, true, frame("ack400"))
+	d.close()
+	if d.packet(&k, 500, true, frame("ack500")) {
+		t.Fatal("held after close")
+	}
+	d.expire() // as the timer would, had close not stopped it
+	none()
+}
