@@ -31,6 +31,10 @@ type DataPlaneStats struct {
 	TCPRetransmits      uint64 // netstack TCP segments retransmitted
 	ForwarderDrops      uint64 // SYNs dropped: too many connections pending
 	VerbatimWriteErrors uint64 // verbatim packets the TUN refused
+	// AcksElided and AcksDelayed count the netstack's pure ACKs held back
+	// (node --ack-delay): superseded by a later packet of the flow, or
+	// written once the delay passed.
+	AcksElided, AcksDelayed uint64
 
 	HBONEConns, HBONEStreams int // outbound pool
 	HBONEServerConns         int // inbound connections being served
@@ -69,6 +73,7 @@ var (
 	descUnknown   = prometheus.NewDesc("meshtun_unknown_segments_intercepted_total", "TCP segments of no known flow, of a connection intercepted whichever side opened it, handed to the netstack (which resets them) instead of being forwarded verbatim.", nil, nil)
 	descRetrans   = prometheus.NewDesc("meshtun_netstack_tcp_retransmits_total", "TCP segments the netstack retransmitted.", nil, nil)
 	descFwdDrops  = prometheus.NewDesc("meshtun_netstack_forwarder_drops_total", "New connections dropped because too many were pending, in all or from their source.", nil, nil)
+	descAcksHeld  = prometheus.NewDesc("meshtun_netstack_acks_held_total", "Pure ACKs of the netstack held back (--ack-delay), by outcome: elided (a later packet of the flow carried the acknowledgment) or written (the delay passed).", []string{"outcome"}, nil)
 	descWriteErrs = prometheus.NewDesc("meshtun_verbatim_write_errors_total", "Verbatim packets the TUN refused.", nil, nil)
 	descPoolConns = prometheus.NewDesc("meshtun_hbone_pool_connections", "Outbound HBONE connections in the pool.", nil, nil)
 	descPoolStrms = prometheus.NewDesc("meshtun_hbone_pool_streams", "Outbound HBONE streams open.", nil, nil)
@@ -83,7 +88,7 @@ var (
 
 func (d *dataPlane) Describe(ch chan<- *prometheus.Desc) {
 	for _, desc := range []*prometheus.Desc{descPackets, descBytes, descDrops, descPktDrops, descOutbound, descFlows, descInserted, descExpired,
-		descHalfOpen, descUnknown, descRetrans, descFwdDrops, descWriteErrs, descPoolConns, descPoolStrms, descSrvConns, descInbound, descExpiry,
+		descHalfOpen, descUnknown, descRetrans, descFwdDrops, descAcksHeld, descWriteErrs, descPoolConns, descPoolStrms, descSrvConns, descInbound, descExpiry,
 		descRenewals, descRenewFail, descFailing, descValid} {
 		ch <- desc
 	}
@@ -117,6 +122,8 @@ func (d *dataPlane) Collect(ch chan<- prometheus.Metric) {
 	counter(descUnknown, s.UnknownIntercepted)
 	counter(descRetrans, s.TCPRetransmits)
 	counter(descFwdDrops, s.ForwarderDrops)
+	counter(descAcksHeld, s.AcksElided, "elided")
+	counter(descAcksHeld, s.AcksDelayed, "written")
 	counter(descWriteErrs, s.VerbatimWriteErrors)
 	gauge(descPoolConns, float64(s.HBONEConns))
 	gauge(descPoolStrms, float64(s.HBONEStreams))

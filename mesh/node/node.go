@@ -394,8 +394,8 @@ func (n *node) dataPlaneStats() metrics.DataPlaneStats {
 		Flows: cs.Flows, FlowsInserted: cs.FlowsInserted, FlowsExpired: cs.FlowsExpired,
 		FlowsHalfOpen: cs.HalfOpen, UnknownIntercepted: cs.UnknownIntercepted,
 		TCPRetransmits: ss.TCPRetransmits, ForwarderDrops: ss.ForwarderDrops + ss.PendingDrops,
-		VerbatimWriteErrors: ss.VerbatimWriteErrors,
-		HBONEConns:          ps.Conns, HBONEStreams: ps.Streams, HBONEServerConns: n.hs.OpenConns(),
+		VerbatimWriteErrors: ss.VerbatimWriteErrors, AcksElided: ss.AcksElided, AcksDelayed: ss.AcksDelayed,
+		HBONEConns: ps.Conns, HBONEStreams: ps.Streams, HBONEServerConns: n.hs.OpenConns(),
 		Drops: map[string]uint64{},
 		PacketDrops: map[string]uint64{
 			"spoofed-source": n.sink.dropped.Load(),
