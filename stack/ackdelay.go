@@ -21,11 +21,13 @@ import (
 //
 // An ACK is held when it carries no data, no SYN, FIN or RST, no SACK
 // block (a duplicate ACK reporting a loss goes at once), and acknowledges
-// more than the netstack's previous ACK on the flow, but less than two
-// segments more (the classifier remembers the previous one). So these go
-// at once: the handshake's ACK, which a server may be waiting for before it
-// speaks (it has no previous one); window updates and duplicate ACKs (they
-// acknowledge nothing new); and ACKs of bulk data.
+// more than one byte beyond the netstack's previous ACK on the flow, but
+// less than two segments (the classifier remembers the previous one). So
+// these go at once: the handshake's ACK, which a server may be waiting for
+// before it speaks (it has no previous one); window updates and duplicate
+// ACKs (they acknowledge nothing new); the ACK of a FIN (one byte: often
+// the connection's last packet, which nothing would supersede); and ACKs
+// of bulk data.
 // The next packet of the same flow supersedes it: a data segment or FIN
 // carries a newer acknowledgment, so the held ACK is dropped; another pure
 // ACK goes out at once, after the held one if both acknowledge the same

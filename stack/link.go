@@ -276,7 +276,7 @@ func (e *linkEndpoint) holdACK(pkt *stack.PacketBuffer, hdr []byte, advance uint
 	if mss == 0 {
 		mss = defaultMSS
 	}
-	if !pure || !known || advance == 0 || advance >= 2*mss {
+	if !pure || !known || advance <= 1 || advance >= 2*mss {
 		frame = nil
 	}
 	return e.acks.packet(&k, ack, pure, frame)
