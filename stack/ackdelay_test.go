@@ -44,11 +44,13 @@ func recvTCP(t *testing.T, dev *fakeDev, since time.Time) (parsed, time.Duration
 	return parseOut(t, vh, p), time.Since(since)
 }
 
-// TestAckDelay: with AckDelay, the pure ACK for a small request is not
-// written when a response follows within the delay (the response carries
+// TestAckDelay: with AckDelay, on a flow whose both ends are the
+// netstack's, the pure ACK for a small request is not written when a
+// response follows within the delay (the response carries
 // the acknowledgment); without a response it is written once the delay has
 // passed; an ACK for two segments or more, and the handshake's ACK of a
-// connection the netstack dials, are written at once.
+// connection the netstack dials, are written at once; so are all ACKs of a
+// flow the netstack is one end of.
 func TestAckDelay(t *testing.T) {
 	const delay = time.Second
 	for _, fam := range families {
@@ -60,14 +62,31 @@ func TestAckDelay(t *testing.T) {
 			defer c.Close()
 			c.SetReadDeadline(time.Now().Add(10 * time.Second))
 
+			// Held once (the netstack is one end only, as on
+			// either node of a cross-node mesh connection): ACKs
+			// go at once.
+			req := []byte("GET / small request")
+			dev.send(t, tun.VnetHdr{}, seg{src: fam.src, dst: fam.dst, seq: seq, ack: ack, flags: header.TCPFlagAck | header.TCPFlagPsh, payload: req}.build())
+			seq += uint32(len(req))
+			if s, _ := recvTCP(t, dev, time.Now()); len(s.payload) != 0 || s.ack != seq {
+				t.Fatalf("got %d bytes acking %d, want a pure ACK of %d at once", len(s.payload), s.ack, seq)
+			}
+			buf := make([]byte, len(req))
+			if _, err := io.ReadFull(c, buf); err != nil {
+				t.Fatal(err)
+			}
+			// The netstack holds the other end too (passthrough's
+			// dial from the client's address does so).
+			if !st.cls.Own(fam.dst, fam.src) {
+				t.Fatal("Own failed")
+			}
+
 			// Request, then a response within the delay: the first
 			// packet written is the response, acknowledging the
 			// request.
-			req := []byte("GET / small request")
 			start := time.Now()
 			dev.send(t, tun.VnetHdr{}, seg{src: fam.src, dst: fam.dst, seq: seq, ack: ack, flags: header.TCPFlagAck | header.TCPFlagPsh, payload: req}.build())
 			seq += uint32(len(req))
-			buf := make([]byte, len(req))
 			if _, err := io.ReadFull(c, buf); err != nil {
 				t.Fatal(err)
 			}

@@ -228,8 +228,8 @@ func (e *linkEndpoint) writePacket(pkt *stack.PacketBuffer) error {
 	if e.vdev == nil {
 		v := pkt.ToView()
 		b := v.AsSlice()
-		advance, known := e.cls.OutboundAck(b)
-		if e.holdACK(pkt, b, advance, known, [][]byte{b}) {
+		advance, known, both := e.cls.OutboundAck(b)
+		if e.holdACK(pkt, b, advance, known && both, [][]byte{b}) {
 			v.Release()
 			return nil
 		}
@@ -249,9 +249,9 @@ func (e *linkEndpoint) writePacket(pkt *stack.PacketBuffer) error {
 	}
 	bufs = appendPacketSlices(bufs, pkt)
 	hdr := headersOf(pkt, bufs[skip:])
-	advance, known := e.cls.OutboundAck(hdr)
+	advance, known, both := e.cls.OutboundAck(hdr)
 	var err error
-	if !e.holdACK(pkt, hdr, advance, known, bufs) {
+	if !e.holdACK(pkt, hdr, advance, known && both, bufs) {
 		_, err = e.vdev.Writev(bufs)
 	}
 	clear(bufs)

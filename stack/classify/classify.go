@@ -539,16 +539,18 @@ func (c *Classifier) Outbound(hdr []byte) { c.OutboundAck(hdr) }
 // at both ends, each with its own). known is false when there is no such
 // earlier ACK (the handshake's ACK of a connection the netstack dials, the
 // first packet after a SYN), when the packet carries no ACK, or when it is
-// not a tracked TCP segment.
-func (c *Classifier) OutboundAck(hdr []byte) (advance uint32, known bool) {
+// not a tracked TCP segment. both reports that the netstack holds the flow
+// twice (Own): it is both ends of the connection, as on passthrough and
+// same-node mesh traffic.
+func (c *Classifier) OutboundAck(hdr []byte) (advance uint32, known, both bool) {
 	c.st.outbound.Add(1)
 	var seg segment
 	switch res, _ := parse(hdr, false, &seg); res {
 	case parsedOther:
-		return 0, false
+		return 0, false, false
 	case parsedMalformed:
 		c.st.outMalformed.Add(1)
-		return 0, false
+		return 0, false, false
 	}
 	h := seg.key.hash(&c.seed)
 	s := c.shardFor(h)
@@ -575,6 +577,7 @@ func (c *Classifier) OutboundAck(hdr []byte) (advance uint32, known bool) {
 			f.ack[side] = seg.ack
 			f.flags |= flagAckLo << side
 		}
+		both = f.owners >= 2
 	case syn:
 		if c.insert(s, i, &seg.key, uint32(h), &seg, now) == nil {
 			c.st.outTableFull.Add(1)
@@ -582,7 +585,7 @@ func (c *Classifier) OutboundAck(hdr []byte) (advance uint32, known bool) {
 	default:
 		c.st.outNoFlow.Add(1)
 	}
-	return advance, known
+	return advance, known, both
 }
 
 // Own marks the flow between a and b as held by the netstack: a

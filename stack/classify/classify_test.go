@@ -866,31 +866,31 @@ func TestOutboundAck(t *testing.T) {
 				binary.BigEndian.PutUint32(p[l3+8:], n)
 				return p
 			}
-			if _, known := c.OutboundAck(tcp(client, server, tcpSYN)); known {
+			if _, known, _ := c.OutboundAck(tcp(client, server, tcpSYN)); known {
 				t.Fatal("SYN: known")
 			}
 			expect(t, c, tcp(server, client, tcpSYN|tcpACK), Intercept, NoDrop)
-			if _, known := c.OutboundAck(ackOf(5001)); known {
+			if _, known, _ := c.OutboundAck(ackOf(5001)); known {
 				t.Fatal("handshake ACK: known")
 			}
-			if adv, known := c.OutboundAck(ackOf(5065)); !known || adv != 64 {
+			if adv, known, _ := c.OutboundAck(ackOf(5065)); !known || adv != 64 {
 				t.Fatalf("second ACK: advance %d known %v, want 64 true", adv, known)
 			}
-			if adv, known := c.OutboundAck(ackOf(5065)); !known || adv != 0 {
+			if adv, known, _ := c.OutboundAck(ackOf(5065)); !known || adv != 0 {
 				t.Fatalf("same ACK again: advance %d known %v, want 0 true", adv, known)
 			}
 			// The netstack at the other end too (passthrough): its
 			// ACKs are counted apart.
 			back := tcp(server, client, tcpACK)
 			binary.BigEndian.PutUint32(back[l3+8:], 9000)
-			if _, known := c.OutboundAck(back); known {
+			if _, known, _ := c.OutboundAck(back); known {
 				t.Fatal("first ACK from the other end: known")
 			}
-			if adv, known := c.OutboundAck(ackOf(5100)); !known || adv != 35 {
+			if adv, known, _ := c.OutboundAck(ackOf(5100)); !known || adv != 35 {
 				t.Fatalf("after the other end's ACK: advance %d known %v, want 35 true", adv, known)
 			}
 			other := netip.AddrPortFrom(client.Addr(), client.Port()+1)
-			if _, known := c.OutboundAck(tcp(other, server, tcpACK)); known {
+			if _, known, _ := c.OutboundAck(tcp(other, server, tcpACK)); known {
 				t.Fatal("no flow: known")
 			}
 		})
