@@ -73,12 +73,6 @@ func startRelay(a, b net.Conn, onAB, onBA func(int), done func(relayResult)) {
 		h.idle.Init(h.run)
 		h.notify = h.idle.Notify
 		h.out = countingWriter{w: h.dst, on: h.onWrite}
-		h.readSize = relayBufSize
-		if w, ok := h.dst.(writeSizeHinter); ok {
-			if n := w.WriteSizeHint(); n > 0 && n < relayBufSize {
-				h.readSize = n
-			}
-		}
 		go h.run()
 	}
 }
@@ -120,7 +114,6 @@ type relayHalf struct {
 	idle     relay.Idle     // waits for a readNotifier source
 	notify   func()         // idle.Notify, as a value made once
 	out      countingWriter // dst, counted, for an HBONE source
-	readSize int            // read at most this much at a time (dst's hint; relayBufSize)
 }
 
 // await arms src's readiness callback and waits for it (relay.Idle). It
@@ -180,7 +173,7 @@ func (h *relayHalf) runStream(src *hbone.Conn) {
 // any other error (a reset, or a write to a reset peer), which resets both
 // sides.
 func (h *relayHalf) step() (ended bool) {
-	bp, n, rerr := readPooled(h.src, h.readSize)
+	bp, n, rerr := readPooled(h.src)
 	defer relayBufs.Put(bp)
 	if n > 0 {
 		w, werr := h.dst.Write((*bp)[:n])
@@ -226,39 +219,33 @@ func (c *countingWriter) Write(p []byte) (int, error) {
 	return n, err
 }
 
-// writeSizeHinter is a destination that prefers writes of at most
-// WriteSizeHint bytes (hbone.Conn: whole TLS records); 0 for none.
-type writeSizeHinter interface {
-	WriteSizeHint() int
-}
-
-// readPooled reads once, at most size bytes, from src into a buffer from
-// relayBufs and returns it (to be put back by the caller) with what Read
-// returned. On a kernel socket the buffer is taken only once the read will
-// not block, so a relay waiting for an idle peer holds none (readNotifier
-// sources are read only once they are readable). Other connections are
-// read with the buffer held for the wait.
-func readPooled(src net.Conn, size int) (bp *[]byte, n int, err error) {
+// readPooled reads once from src into a buffer from relayBufs and returns
+// it (to be put back by the caller) with what Read returned. On a kernel
+// socket the buffer is taken only once the read will not block, so a
+// relay waiting for an idle peer holds none (readNotifier sources are
+// read only once they are readable). Other connections are read with the
+// buffer held for the wait.
+func readPooled(src net.Conn) (bp *[]byte, n int, err error) {
 	if c, ok := src.(*net.TCPConn); ok {
 		if rc, rerr := c.SyscallConn(); rerr == nil {
-			return readKernel(c, rc, size)
+			return readKernel(c, rc)
 		}
 	}
 	bp = relayBufs.Get().(*[]byte)
-	n, err = src.Read((*bp)[:size])
+	n, err = src.Read(*bp)
 	return bp, n, err
 }
 
 // readKernel is readPooled on a kernel socket: the read happens inside
 // the poller's callback, with a buffer taken for it alone.
-func readKernel(src *net.TCPConn, rc syscall.RawConn, size int) (bp *[]byte, n int, err error) {
+func readKernel(src *net.TCPConn, rc syscall.RawConn) (bp *[]byte, n int, err error) {
 	// The runtime's poller calls the function again each time the
 	// socket turns readable; the buffer goes back to the pool
 	// between calls.
 	cerr := rc.Read(func(fd uintptr) bool {
 		bp = relayBufs.Get().(*[]byte)
 		for {
-			n, err = unix.Read(int(fd), (*bp)[:size])
+			n, err = unix.Read(int(fd), *bp)
 			if err != unix.EINTR {
 				break
 			}

@@ -754,7 +754,7 @@ func (r *serverRelay) readUpstream() error {
 	var lb *[largeReadBuf]byte
 	if r.large.Load() {
 		lb = largeBufs.Get().(*[largeReadBuf]byte)
-		buf = lb[:upstreamReadSize(largeReadBuf)]
+		buf = lb[:]
 	} else {
 		sb = smallBufs.Get().(*[smallReadBuf]byte)
 		buf = sb[:]
