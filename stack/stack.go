@@ -54,9 +54,10 @@ type Config struct {
 	Classifier *classify.Classifier
 	// HandleTCP receives intercepted TCP connections. Required.
 	HandleTCP TCPHandler
-	// AckDelay, if positive, holds the netstack's pure ACKs back for up
-	// to this long, so that a reply within that time carries the
-	// acknowledgment instead (see ackDelayer). 0 writes every ACK at once.
+	// AckDelay, if positive, holds the netstack's pure ACKs on flows
+	// whose both ends are the netstack's back for up to this long, so
+	// that a reply within that time carries the acknowledgment instead
+	// (see ackDelayer). 0 writes every ACK at once.
 	AckDelay time.Duration
 	Logger   zerolog.Logger
 }

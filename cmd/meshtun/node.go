@@ -44,7 +44,7 @@ func runNode(ctx context.Context, args []string) error {
 	fs.BoolVar(&noIntercept, "no-intercept", false, "intercept nothing: every packet goes through the TUN verbatim (for measuring the TUN path alone)")
 	fs.BoolVar(&uninstall, "uninstall", false, "remove meshtun from this network namespace (its rules and blocking routes, which a stopped proxy leaves so that captured traffic stays blocked) and exit; refused while a proxy runs")
 	fs.BoolVar(&hboneNetstack, "hbone-netstack", false, "terminate inbound HBONE on the netstack through the TUN, not on a kernel socket (the fallback when the kernel cannot; for comparisons)")
-	fs.DurationVar(&ackDelay, "ack-delay", 0, "hold the netstack's pure ACKs back for up to this `duration`, so that a reply sent within it carries the acknowledgment (0: every ACK at once)")
+	fs.DurationVar(&ackDelay, "ack-delay", node.DefaultAckDelay, "on connections whose both ends are in the netstack (passthrough, same-node), hold the netstack's pure ACKs back for up to this `duration`, so that a reply sent within it carries the acknowledgment (0: every ACK at once)")
 	fs.DurationVar(&drain, "drain-period", node.DefaultDrainPeriod, "on SIGTERM, how long open connections may take to finish")
 	fs.StringVar(&logLevel, "log-level", "info", "log `level`: trace, debug, info, warn, error")
 	fs.IntVar(&procs, "procs", 0, "`threads` running Go code at once (GOMAXPROCS); 0: half the CPUs the process may use, at least 1 (the GOMAXPROCS environment variable, if set, wins)")

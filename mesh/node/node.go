@@ -78,9 +78,10 @@ type Config struct {
 	// the TUN, as when the kernel cannot deliver a pod's port 15008 to a
 	// node socket (the fallback; for tests and comparisons).
 	HBONEOnNetstack bool
-	// AckDelay holds the netstack's pure ACKs back for up to this long,
-	// for a reply to carry the acknowledgment (stack.Config.AckDelay); 0
-	// writes every ACK at once.
+	// AckDelay holds the netstack's pure ACKs on connections whose both
+	// ends it is back for up to this long, for a reply to carry the
+	// acknowledgment (stack.Config.AckDelay); 0 writes every ACK at once.
+	// The binary's default is DefaultAckDelay.
 	AckDelay time.Duration
 	// AdminAddr is where the admin HTTP server listens (/config_dump,
 	// /logging, /debug/pprof/); empty disables it. Keep it on loopback.
@@ -115,6 +116,11 @@ func localWorkloads(s *registry.Snapshot, name string) []*registry.Workload {
 // DefaultDrainPeriod is how long a stopping node lets open connections
 // finish when Config.DrainPeriod is zero.
 const DefaultDrainPeriod = 30 * time.Second
+
+// DefaultAckDelay is meshtun node's --ack-delay: how long the netstack
+// holds a pure ACK on a connection whose both ends it is, for the reply to
+// carry it (docs/ARCHITECTURE.md, "The bare ACK").
+const DefaultAckDelay = time.Millisecond
 
 // Run runs the node proxy until ctx is done, then drains it (new
 // connections are refused, open ones get up to DrainPeriod to finish),
