@@ -146,3 +146,7 @@ func (k *KubeMode) Authorize(ctx context.Context, caller Caller, id spiffeid.ID)
 	}
 	return fmt.Errorf("node %s may not have %s: no running pod of namespace %s with service account %s is on node %s", caller.Node, id, ns, sa, caller.Node)
 }
+
+// DefaultAudience is the audience of the projected service-account tokens
+// node proxies present to `meshtun ca --kubernetes`.
+const DefaultAudience = "meshtun-ca"
