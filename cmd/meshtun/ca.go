@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/rs/zerolog"
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
 
 	"github.com/meshtun/meshtun/mesh/config"
 	"github.com/meshtun/meshtun/mesh/identity"
@@ -26,6 +27,7 @@ import (
 const caUsage = `usage: meshtun ca <command> [flags]
 
 commands:
+  init         create a CA root (key and certificate) in a directory, for a Secret
   serve        run the certificate service (IstioCertificateService on ca.listen)
   issue-node   issue a node credential (run where the CA directory is)
   root         rotate the CA root: prepare | activate | retire
@@ -41,6 +43,8 @@ func runCA(ctx context.Context, args []string) error {
 	switch args[0] {
 	case "serve":
 		return runCAServe(ctx, args[1:])
+	case "init":
+		return runCAInit(args[1:])
 	case "issue-node":
 		return runCAIssueNode(args[1:])
 	case "root":
@@ -243,6 +247,29 @@ func dirStamp(dir string) string {
 		}
 	}
 	return s
+}
+
+func runCAInit(args []string) error {
+	fs := flag.NewFlagSet("ca init", flag.ContinueOnError)
+	td := fs.String("trust-domain", "cluster.local", "the mesh's trust `domain`")
+	out := fs.String("out", "", "`directory` to create "+identity.RootKeyFile+" (0600) and "+identity.RootCertFile+" in (required); an existing root there is kept")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if *out == "" {
+		return errors.New("-out is required")
+	}
+	d, err := spiffeid.TrustDomainFromString(*td)
+	if err != nil {
+		return fmt.Errorf("-trust-domain: %w", err)
+	}
+	ca, err := identity.OpenCA(identity.CAConfig{Dir: *out, TrustDomain: d, Logger: zerolog.Nop()})
+	if err != nil {
+		return err
+	}
+	root := ca.Roots()[0]
+	fmt.Printf("CA root of %s in %s: serial %s, valid until %s\n", d, *out, root.SerialNumber.Text(16), root.NotAfter.UTC().Format(time.RFC3339))
+	return nil
 }
 
 func runCAIssueNode(args []string) error {
