@@ -10,13 +10,17 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	appsv1 "k8s.io/api/apps/v1"
 	authv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	sigsyaml "sigs.k8s.io/yaml"
 
 	"github.com/meshtun/meshtun/mesh/identity"
 	"github.com/meshtun/meshtun/test/cluster"
@@ -42,9 +46,10 @@ type caProc struct {
 // the meshtun-ca Secret), and runs `meshtun ca serve --kubernetes
 // --root-from` it, with a kubeconfig of the meshtun-ca service account
 // (the shipped RBAC), on cfgPath.
-func startCA(t *testing.T, cp *ControlPlane, cfgPath, dir string) *caProc {
+func startCA(t *testing.T, cp *ControlPlane, ms []Manifest, cfgPath, dir string) *caProc {
 	t.Helper()
 	ctx := context.Background()
+	shipped := shippedCAArgs(t, ms)
 	root := filepath.Join(dir, "ca-secret")
 	if out, err := exec.Command(meshtunBin, "ca", "init", "--trust-domain", "cluster.local", "--out", root).CombinedOutput(); err != nil {
 		t.Fatalf("meshtun ca init: %v\n%s", err, out)
@@ -65,8 +70,19 @@ func startCA(t *testing.T, cp *ControlPlane, cfgPath, dir string) *caProc {
 		t.Fatal(err)
 	}
 	defer f.Close()
-	cmd := cp.Host.Command(ctx, meshtunBin, "ca", "serve", "--kubernetes", "--kubeconfig", kc,
-		"--config", cfgPath, "--listen", c.addr.String(), "--root-from", root)
+	// The Deployment's own arguments, with the files moved to dir.
+	var args []string
+	for _, a := range shipped {
+		switch {
+		case strings.HasPrefix(a, "--config="):
+			a = "--config=" + cfgPath
+		case strings.HasPrefix(a, "--root-from="):
+			a = "--root-from=" + root
+		}
+		args = append(args, a)
+	}
+	args = append(args, "--kubeconfig", kc, "--listen", c.addr.String())
+	cmd := cp.Host.Command(ctx, meshtunBin, args...)
 	cmd.Stdout, cmd.Stderr = f, f
 	if c.proc, err = cp.Host.Start(cmd); err != nil {
 		t.Fatal(err)
@@ -80,6 +96,69 @@ func startCA(t *testing.T, cp *ControlPlane, cfgPath, dir string) *caProc {
 	})
 	c.wait(t, 0, "ready", func(l noderun.Line) bool { return l.Str("message") == "certificate service ready" })
 	return c
+}
+
+// shippedCAArgs checks the shape of deploy/kubernetes' CA and node
+// workloads (the CA key only in the CA's pod, the nodes' projected token of
+// the CA audience where `meshtun node` looks by default) and returns the
+// arguments of the CA's container.
+func shippedCAArgs(t *testing.T, ms []Manifest) []string {
+	t.Helper()
+	var ca *appsv1.Deployment
+	var ds *appsv1.DaemonSet
+	for _, m := range ms {
+		data, _ := sigsyaml.Marshal(m.Obj.Object)
+		switch {
+		case m.Obj.GetKind() == "Deployment" && m.Obj.GetName() == "meshtun-ca":
+			ca = new(appsv1.Deployment)
+			if err := sigsyaml.Unmarshal(data, ca); err != nil {
+				t.Fatal(err)
+			}
+		case m.Obj.GetKind() == "DaemonSet":
+			ds = new(appsv1.DaemonSet)
+			if err := sigsyaml.Unmarshal(data, ds); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if ca == nil || ds == nil {
+		t.Fatal("deploy/kubernetes lacks the meshtun-ca Deployment or the node DaemonSet")
+	}
+	if sa := ca.Spec.Template.Spec.ServiceAccountName; sa != "meshtun-ca" {
+		t.Errorf("the CA runs as service account %q, want meshtun-ca (its RBAC)", sa)
+	}
+	var token, roots bool
+	for _, v := range ds.Spec.Template.Spec.Volumes {
+		if v.Secret != nil {
+			t.Errorf("the node DaemonSet mounts Secret %s: no node may hold a CA key", v.Secret.SecretName)
+		}
+		if v.Projected != nil {
+			for _, src := range v.Projected.Sources {
+				if st := src.ServiceAccountToken; st != nil && st.Audience == caAudience && v.Name == "ca-token" && st.Path == "token" {
+					token = true
+				}
+			}
+		}
+		if v.ConfigMap != nil && v.ConfigMap.Name == "meshtun-ca-root" && v.Name == "ca-root" {
+			roots = true
+		}
+	}
+	mounts := map[string]string{}
+	for _, m := range ds.Spec.Template.Spec.Containers[0].VolumeMounts {
+		mounts[m.Name] = m.MountPath
+	}
+	// meshtun node's defaults (--ca-token-file, --ca-roots).
+	if !token || mounts["ca-token"] != "/var/run/secrets/meshtun-ca" {
+		t.Errorf("the node DaemonSet has no projected token of audience %s at /var/run/secrets/meshtun-ca/token", caAudience)
+	}
+	if !roots || mounts["ca-root"] != "/var/run/meshtun/ca-root" {
+		t.Errorf("the node DaemonSet has no meshtun-ca-root ConfigMap at /var/run/meshtun/ca-root")
+	}
+	args := ca.Spec.Template.Spec.Containers[0].Args
+	if len(args) < 3 || args[0] != "ca" || args[1] != "serve" || !slices.Contains(args, "--kubernetes") {
+		t.Fatalf("the CA's container args %q are not `ca serve --kubernetes ...`", args)
+	}
+	return args
 }
 
 // lines returns the CA's log lines.

@@ -284,7 +284,7 @@ func TestKubernetes(t *testing.T) {
 	ms := applyDeploy(t, cp)
 	dir := t.TempDir()
 	cfgPath := nodeConfig(t, ms, dir, netip.AddrPortFrom(cp.Host.IPv4, caPort))
-	ca := startCA(t, cp, cfgPath, dir)
+	ca := startCA(t, cp, ms, cfgPath, dir)
 
 	tok, err := cp.Admin.CoreV1().ServiceAccounts("meshtun-system").CreateToken(ctx, "meshtun",
 		&authv1.TokenRequest{Spec: authv1.TokenRequestSpec{ExpirationSeconds: new(int64(3600))}}, metav1.CreateOptions{})
