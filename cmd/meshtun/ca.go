@@ -12,10 +12,12 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"time"
 
 	"github.com/rs/zerolog"
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
 
 	"github.com/meshtun/meshtun/mesh/config"
 	"github.com/meshtun/meshtun/mesh/identity"
@@ -25,6 +27,7 @@ import (
 const caUsage = `usage: meshtun ca <command> [flags]
 
 commands:
+  init         create a CA root (key and certificate) in a directory, for a Secret
   serve        run the certificate service (IstioCertificateService on ca.listen)
   issue-node   issue a node credential (run where the CA directory is)
   root         rotate the CA root: prepare | activate | retire
@@ -40,6 +43,8 @@ func runCA(ctx context.Context, args []string) error {
 	switch args[0] {
 	case "serve":
 		return runCAServe(ctx, args[1:])
+	case "init":
+		return runCAInit(args[1:])
 	case "issue-node":
 		return runCAIssueNode(args[1:])
 	case "root":
@@ -86,6 +91,11 @@ func runCAServe(ctx context.Context, args []string) error {
 	path := fs.String("config", "/etc/meshtun/mesh.yaml", "the mesh config `file`: ca.dir, ca.listen, and which workloads run on which node")
 	listen := fs.String("listen", "", "`address` to listen on (overrides ca.listen)")
 	logLevel := fs.String("log-level", "info", "log `level`")
+	useKube := fs.Bool("kubernetes", false, "authenticate nodes by their projected service-account token (TokenReview) and grant a workload identity only to the node its pod runs on, instead of node credentials and the config file's workloads")
+	kubeconfig := fs.String("kubeconfig", "", "with --kubernetes: the kubeconfig `file`; empty: the in-cluster service account")
+	nodeAccounts := fs.String("node-accounts", "meshtun-system/meshtun", "with --kubernetes: comma-separated `namespace/serviceaccount` of the node proxies; only they may ask for workload identities")
+	audience := fs.String("audience", caserver.DefaultAudience, "with --kubernetes: the `audience` the nodes' tokens must be for")
+	rootFrom := fs.String("root-from", "", "`directory` holding "+identity.RootKeyFile+" and "+identity.RootCertFile+" (a Secret volume) to copy into ca.dir when ca.dir has no root")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -93,15 +103,51 @@ func runCAServe(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
+	if *rootFrom != "" {
+		c, err := config.Load(*path)
+		if err != nil {
+			return err
+		}
+		if err := copyRoot(*rootFrom, c.CA.Dir); err != nil {
+			return err
+		}
+	}
 	c, ca, err := loadCAConfig(*path, log)
 	if err != nil {
 		return err
 	}
 	file := caserver.NewFileMode(ca.TrustDomain(), ca.Roots)
-	if err := updateFileMode(file, c); err != nil {
-		return err
+	var authn []caserver.Authenticator
+	var authz caserver.Authorizer
+	if *useKube {
+		cs, err := kubeClient(*kubeconfig, "ca")
+		if err != nil {
+			return err
+		}
+		var accounts []string
+		for _, a := range strings.Split(*nodeAccounts, ",") {
+			if a = strings.TrimSpace(a); a == "" {
+				continue
+			}
+			if ns, sa, ok := strings.Cut(a, "/"); !ok || ns == "" || sa == "" {
+				return fmt.Errorf("--node-accounts: %q is not namespace/serviceaccount", a)
+			}
+			accounts = append(accounts, a)
+		}
+		if len(accounts) == 0 {
+			return errors.New("--node-accounts: none given; no node could get a certificate")
+		}
+		api := caserver.KubeAPI{Client: cs}
+		km := &caserver.KubeMode{TrustDomain: ca.TrustDomain(), Reviewer: api, Pods: api, Audience: *audience, NodeAccounts: accounts}
+		authn, authz = []caserver.Authenticator{km}, km
+		log.Info().Strs("node_accounts", accounts).Str("audience", *audience).Msg("nodes authenticate with service-account tokens (TokenReview)")
+	} else {
+		if err := updateFileMode(file, c); err != nil {
+			return err
+		}
+		authn, authz = []caserver.Authenticator{file}, file
 	}
-	srv, err := caserver.New(caserver.Config{CA: ca, Authenticators: []caserver.Authenticator{file}, Authorizer: file,
+	srv, err := caserver.New(caserver.Config{CA: ca, Authenticators: authn, Authorizer: authz,
 		MaxTTL: c.CA.SVIDTTL, Logger: log})
 	if err != nil {
 		return err
@@ -115,6 +161,9 @@ func runCAServe(ctx context.Context, args []string) error {
 		return fmt.Errorf("listen on %s: %w", addr, err)
 	}
 	go func() {
+		if *useKube {
+			return
+		}
 		err := config.Watch(ctx, c.Path, func(nc *config.Config) {
 			if err := updateFileMode(file, nc); err != nil {
 				log.Error().Err(err).Str("config", c.Path).Msg("config reload failed; keeping the last good one")
@@ -137,6 +186,27 @@ func runCAServe(ctx context.Context, args []string) error {
 		Int("roots", len(ca.Roots())).Dur("svid_ttl", c.CA.SVIDTTL).Msg(caserver.ReadyMessage)
 	if err := srv.Serve(lis); err != nil && ctx.Err() == nil {
 		return err
+	}
+	return nil
+}
+
+// copyRoot copies the root key and certificate from dir (a read-only
+// Secret volume) into caDir, unless caDir has a root key already.
+func copyRoot(dir, caDir string) error {
+	if _, err := os.Stat(filepath.Join(caDir, identity.RootKeyFile)); err == nil {
+		return nil
+	}
+	if err := os.MkdirAll(caDir, 0o700); err != nil {
+		return err
+	}
+	for _, f := range []string{identity.RootCertFile, identity.RootKeyFile} {
+		data, err := os.ReadFile(filepath.Join(dir, f))
+		if err != nil {
+			return fmt.Errorf("--root-from: %w", err)
+		}
+		if err := os.WriteFile(filepath.Join(caDir, f), data, 0o600); err != nil {
+			return err
+		}
 	}
 	return nil
 }
@@ -177,6 +247,29 @@ func dirStamp(dir string) string {
 		}
 	}
 	return s
+}
+
+func runCAInit(args []string) error {
+	fs := flag.NewFlagSet("ca init", flag.ContinueOnError)
+	td := fs.String("trust-domain", "cluster.local", "the mesh's trust `domain`")
+	out := fs.String("out", "", "`directory` to create "+identity.RootKeyFile+" (0600) and "+identity.RootCertFile+" in (required); an existing root there is kept")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if *out == "" {
+		return errors.New("-out is required")
+	}
+	d, err := spiffeid.TrustDomainFromString(*td)
+	if err != nil {
+		return fmt.Errorf("-trust-domain: %w", err)
+	}
+	ca, err := identity.OpenCA(identity.CAConfig{Dir: *out, TrustDomain: d, Logger: zerolog.Nop()})
+	if err != nil {
+		return err
+	}
+	root := ca.Roots()[0]
+	fmt.Printf("CA root of %s in %s: serial %s, valid until %s\n", d, *out, root.SerialNumber.Text(16), root.NotAfter.UTC().Format(time.RFC3339))
+	return nil
 }
 
 func runCAIssueNode(args []string) error {

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"runtime"
+	"strings"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -24,6 +25,7 @@ func runNode(ctx context.Context, args []string) error {
 	var (
 		path, name, logLevel string
 		credDir, spireSocket string
+		caTokenFile, caRoots string
 		noIntercept          bool
 		uninstall            bool
 		hboneNetstack        bool
@@ -40,6 +42,8 @@ func runNode(ctx context.Context, args []string) error {
 	fs.StringVar(&kubeconfig, "kubeconfig", "", "with --kubernetes: the kubeconfig `file`; empty: the in-cluster service account")
 	fs.StringVar(&spireSocket, "spire-admin-socket", "", "`path` of the node's SPIRE agent admin socket: take the workloads' certificates from SPIRE's Delegated Identity API instead of `meshtun ca` (see docs/identity.md)")
 	fs.StringVar(&credDir, "credentials", "/var/lib/meshtun/node", "`directory` of this node's credential for `meshtun ca` (cert.pem, key.pem, roots.pem; made by `meshtun ca issue-node`)")
+	fs.StringVar(&caTokenFile, "ca-token-file", defaultCATokenFile, "with --kubernetes: `file` of the projected service-account token (audience meshtun-ca) sent to `meshtun ca` as the node's credential, re-read for every request (the kubelet rotates it); empty: use --credentials")
+	fs.StringVar(&caRoots, "ca-roots", defaultCARoots, "with --kubernetes and --ca-token-file: PEM `file` of the CA roots that verify `meshtun ca` (the meshtun-ca-root ConfigMap)")
 	xf.register(fs)
 	fs.BoolVar(&noIntercept, "no-intercept", false, "intercept nothing: every packet goes through the TUN verbatim (for measuring the TUN path alone)")
 	fs.BoolVar(&uninstall, "uninstall", false, "remove meshtun from this network namespace (its rules and blocking routes, which a stopped proxy leaves so that captured traffic stays blocked) and exit; refused while a proxy runs")
@@ -180,6 +184,14 @@ func runNode(ctx context.Context, args []string) error {
 		// node.Run opens ca.dir itself, and says loudly that it does.
 	case c.CA.Address == "":
 		return fmt.Errorf("%s: ca.address is required: the address of `meshtun ca` (or, for development only, ca.insecureSharedDir: true to have every node hold the root key)", path)
+	case useKube && caTokenFile != "":
+		remote, err := tokenIssuer(c, mesh.TrustDomain, caTokenFile, caRoots, log)
+		if err != nil {
+			return err
+		}
+		defer remote.Close()
+		ncfg.Issuer, ncfg.Bundle = remote, remote.Bundle()
+		log.Info().Str("ca", c.CA.Address).Str("token_file", caTokenFile).Str("roots", caRoots).Msg("certificates from the certificate service, authenticated by service-account token")
 	default:
 		remote, err := remoteIssuer(c, mesh.TrustDomain, credDir, log)
 		if err != nil {
@@ -235,4 +247,50 @@ func remoteIssuer(c *config.Config, td spiffeid.TrustDomain, credDir string, log
 		Address: c.CA.Address, TrustDomain: td, Bundle: identity.NewTrustBundle(td, roots),
 		Credential: cred.Get, TTL: c.CA.SVIDTTL, Logger: log,
 	})
+}
+
+// Where the DaemonSet of deploy/kubernetes mounts the projected token of
+// the CA audience and the meshtun-ca-root ConfigMap.
+const (
+	defaultCATokenFile = "/var/run/secrets/meshtun-ca/token"
+	defaultCARoots     = "/var/run/meshtun/ca-root/" + identity.RootCertFile
+)
+
+// tokenIssuer returns the client of `meshtun ca --kubernetes` for this
+// node: it sends the projected service-account token in tokenFile as
+// "authorization: Bearer" (read again for every request, so a token the
+// kubelet rotated is used at once) and first trusts the roots in rootsFile.
+func tokenIssuer(c *config.Config, td spiffeid.TrustDomain, tokenFile, rootsFile string, log zerolog.Logger) (*identity.RemoteIssuer, error) {
+	data, err := os.ReadFile(rootsFile)
+	if err != nil {
+		return nil, fmt.Errorf("CA roots: %w", err)
+	}
+	roots, err := identity.ParseCertsPEM(data)
+	if err != nil {
+		return nil, fmt.Errorf("CA roots %s: %w", rootsFile, err)
+	}
+	if len(roots) == 0 {
+		return nil, fmt.Errorf("CA roots %s: no certificate", rootsFile)
+	}
+	token := func() (string, error) { return readToken(tokenFile) }
+	if _, err := token(); err != nil {
+		return nil, err
+	}
+	return identity.DialCA(identity.RemoteConfig{
+		Address: c.CA.Address, TrustDomain: td, Bundle: identity.NewTrustBundle(td, roots),
+		Token: token, TTL: c.CA.SVIDTTL, Logger: log,
+	})
+}
+
+// readToken reads a bearer token file.
+func readToken(path string) (string, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return "", fmt.Errorf("CA token: %w", err)
+	}
+	t := strings.TrimSpace(string(data))
+	if t == "" {
+		return "", fmt.Errorf("CA token: %s is empty", path)
+	}
+	return t, nil
 }

@@ -1,6 +1,11 @@
 package main
 
-import "testing"
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
 
 func TestNodeProcs(t *testing.T) {
 	for _, c := range []struct {
@@ -21,5 +26,27 @@ func TestNodeProcs(t *testing.T) {
 		if got := nodeProcs(c.flag, c.envSet, c.runtime); got != c.want {
 			t.Errorf("nodeProcs(%d, %v, %d) = %d, want %d", c.flag, c.envSet, c.runtime, got, c.want)
 		}
+	}
+}
+
+// The CA token is read again for every request: a token the kubelet
+// rotated is the one sent next; an empty file is an error, not an empty
+// bearer.
+func TestReadTokenRotates(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "token")
+	for _, tok := range []string{"first", "second"} {
+		if err := os.WriteFile(path, []byte(tok+"\n"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		got, err := readToken(path)
+		if err != nil || got != tok {
+			t.Fatalf("readToken = %q, %v; want %q", got, err, tok)
+		}
+	}
+	if err := os.WriteFile(path, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := readToken(path); err == nil || !strings.Contains(err.Error(), "empty") {
+		t.Fatalf("readToken of an empty file: %v, want an error saying it is empty", err)
 	}
 }

@@ -141,7 +141,7 @@ func TestIstiod(t *testing.T) {
 	ctx := context.Background()
 	ms := applyDeploy(t, cp)
 	dir := t.TempDir()
-	cfgPath := nodeConfig(t, ms, dir)
+	cfgPath := devNodeConfig(t, ms, dir)
 	// The nodes run as deploy/istio's account (ztunnel's, which istiod
 	// trusts by default) with its RBAC, applied server-side; nothing runs
 	// its DaemonSet (no controller manager), the test starts the nodes.

@@ -15,6 +15,8 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	authv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
@@ -77,10 +79,12 @@ func applyDeploy(t *testing.T, cp *ControlPlane) []Manifest {
 	return ms
 }
 
-// nodeConfig writes the node settings of deploy/kubernetes' ConfigMap,
-// with the CA directory moved to dir (the shared CA of the test's nodes).
-func nodeConfig(t *testing.T, ms []Manifest, dir string) string {
+// nodeConfig writes the settings of deploy/kubernetes' ConfigMap (read
+// by the nodes and by `meshtun ca`), with the CA's address moved to ca (the
+// control plane's namespace) and its directory to dir.
+func nodeConfig(t *testing.T, ms []Manifest, dir string, ca netip.AddrPort) string {
 	t.Helper()
+	const addr, caDir = "meshtun-ca.meshtun-system.svc:15012", "/var/lib/meshtun/ca"
 	for _, m := range ms {
 		if m.Obj.GetKind() != "ConfigMap" {
 			continue
@@ -91,10 +95,14 @@ func nodeConfig(t *testing.T, ms []Manifest, dir string) string {
 			t.Fatal(err)
 		}
 		y := cm.Data["mesh.yaml"]
-		if !strings.Contains(y, "/var/run/meshtun/ca") {
-			t.Fatalf("the ConfigMap's mesh.yaml has no CA directory /var/run/meshtun/ca:\n%s", y)
+		if !strings.Contains(y, addr) || !strings.Contains(y, caDir) {
+			t.Fatalf("the ConfigMap's mesh.yaml has no CA address %s and directory %s:\n%s", addr, caDir, y)
 		}
-		y = strings.ReplaceAll(y, "/var/run/meshtun/ca", filepath.Join(dir, "ca"))
+		if strings.Contains(y, "insecureSharedDir") {
+			t.Fatalf("the shipped ConfigMap has nodes hold the CA key (insecureSharedDir):\n%s", y)
+		}
+		y = strings.ReplaceAll(y, addr, ca.String())
+		y = strings.ReplaceAll(y, caDir, filepath.Join(dir, "ca"))
 		path := filepath.Join(dir, "mesh.yaml")
 		if err := os.WriteFile(path, []byte(y), 0o644); err != nil {
 			t.Fatal(err)
@@ -103,6 +111,26 @@ func nodeConfig(t *testing.T, ms []Manifest, dir string) string {
 	}
 	t.Fatal("deploy/kubernetes has no ConfigMap")
 	return ""
+}
+
+// devNodeConfig is nodeConfig in the development mode the shipped manifests
+// do not use: every node opens the CA directory dir/ca (insecureSharedDir).
+// For tests whose nodes get no certificate service.
+func devNodeConfig(t *testing.T, ms []Manifest, dir string) string {
+	t.Helper()
+	path := nodeConfig(t, ms, dir, netip.MustParseAddrPort("127.0.0.1:1"))
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	y := strings.Replace(string(data), "ca: {", "ca: {insecureSharedDir: true, ", 1)
+	if y == string(data) {
+		t.Fatalf("no ca: {...} line in %s:\n%s", path, data)
+	}
+	if err := os.WriteFile(path, []byte(y), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return path
 }
 
 // kubelet plays the kubelet and the CNI for the test's pods: the cluster
@@ -255,7 +283,8 @@ func TestKubernetes(t *testing.T) {
 	ctx := context.Background()
 	ms := applyDeploy(t, cp)
 	dir := t.TempDir()
-	cfgPath := nodeConfig(t, ms, dir)
+	cfgPath := nodeConfig(t, ms, dir, netip.AddrPortFrom(cp.Host.IPv4, caPort))
+	ca := startCA(t, cp, ms, cfgPath, dir)
 
 	tok, err := cp.Admin.CoreV1().ServiceAccounts("meshtun-system").CreateToken(ctx, "meshtun",
 		&authv1.TokenRequest{Spec: authv1.TokenRequestSpec{ExpirationSeconds: new(int64(3600))}}, metav1.CreateOptions{})
@@ -284,7 +313,8 @@ func TestKubernetes(t *testing.T) {
 	start := func(n *cluster.Node) *noderun.Process {
 		sctx, cancel := context.WithTimeout(ctx, time.Minute)
 		defer cancel()
-		m, err := noderun.Start(sctx, meshtunBin, n, "--kubernetes", "--kubeconfig", kubeconfig, "--config", cfgPath)
+		m, err := noderun.Start(sctx, meshtunBin, n, "--kubernetes", "--kubeconfig", kubeconfig, "--config", cfgPath,
+			"--ca-token-file", nodeToken(t, cp, n, dir), "--ca-roots", ca.roots)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -326,6 +356,59 @@ func TestKubernetes(t *testing.T) {
 			in := waitLog(t, m2, 0, "inbound access log", accessLine(src))
 			wantField(t, in, "direction", "inbound")
 			wantField(t, in, "src.identity", spiffe("apps", "client"))
+		}
+	})
+
+	t.Run("node certificates from meshtun ca by TokenReview", func(t *testing.T) {
+		// The identities above came from the CA, to the node of their pod.
+		for _, w := range []struct {
+			n      *cluster.Node
+			ns, sa string
+		}{{n1, "apps", "client"}, {n2, "apps", "server"}} {
+			node := noderun.NodeName(w.n)
+			l := ca.wait(t, 0, "issued "+spiffe(w.ns, w.sa), func(l noderun.Line) bool {
+				return l.Str("message") == "certificate issued" && l.Str("identity") == spiffe(w.ns, w.sa)
+			})
+			wantField(t, l, "node", node)
+			wantField(t, l, "caller", "service account meshtun-system/meshtun (pod meshtun-system/meshtun-"+node+")")
+		}
+	})
+
+	t.Run("token of a service account that is not a node account refused", func(t *testing.T) {
+		// A pod-bound token of the right audience, of a workload's account.
+		tok := boundToken(t, cp, "apps", "client", "client", noderun.NodeName(n1), filepath.Join(dir, "client.token"))
+		mark := len(ca.lines())
+		err := askCA(t, cp, ca, tok, spiffe("apps", "client"))
+		if status.Code(err) != codes.Unauthenticated {
+			t.Fatalf("certificate for a workload's own token: %v, want Unauthenticated", err)
+		}
+		l := ca.wait(t, mark, "refusal of the workload's token", func(l noderun.Line) bool {
+			return l.Str("message") == "certificate request refused" && l.Str("asked_for") == spiffe("apps", "client")
+		})
+		if r := l.Str("reason"); !strings.Contains(r, "service account apps/client is not a node account") {
+			t.Errorf("refusal reason %q does not say the account is not a node account", r)
+		}
+	})
+
+	t.Run("node asking for a workload of another node refused", func(t *testing.T) {
+		// Node 1's own token, asking for the server, which runs on node 2.
+		tok := nodeToken(t, cp, n1, dir)
+		mark := len(ca.lines())
+		err := askCA(t, cp, ca, tok, spiffe("apps", "server"))
+		if status.Code(err) != codes.PermissionDenied {
+			t.Fatalf("node 1 asking for node 2's workload: %v, want PermissionDenied", err)
+		}
+		l := ca.wait(t, mark, "refusal of another node's workload", func(l noderun.Line) bool {
+			return l.Str("message") == "certificate request refused" && l.Str("asked_for") == spiffe("apps", "server")
+		})
+		wantField(t, l, "node", noderun.NodeName(n1))
+		if r := l.Str("reason"); !strings.Contains(r, "no running pod of namespace apps with service account server is on node "+noderun.NodeName(n1)) {
+			t.Errorf("refusal reason %q does not say the workload is not on the node", r)
+		}
+		// The same token gets node 1's own workload: the refusal was about
+		// the node, not the token.
+		if err := askCA(t, cp, ca, tok, spiffe("apps", "client")); err != nil {
+			t.Errorf("node 1 asking for its own workload: %v", err)
 		}
 	})
 

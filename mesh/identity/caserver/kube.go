@@ -54,6 +54,9 @@ type Pods interface {
 const (
 	ExtraPodName = "authentication.kubernetes.io/pod-name"
 	ExtraPodUID  = "authentication.kubernetes.io/pod-uid"
+	// ExtraNodeName is set by API servers that embed the node of the pod
+	// in the token (ServiceAccountTokenPodNodeInfo, Kubernetes 1.30+).
+	ExtraNodeName = "authentication.kubernetes.io/node-name"
 )
 
 // KubeMode authenticates node proxies by their projected service-account
@@ -116,6 +119,9 @@ func (k *KubeMode) Authenticate(ctx context.Context) (Caller, error) {
 	if pod.Node == "" {
 		return Caller{}, fmt.Errorf("%s: pod %s/%s is not scheduled on a node", who, ns, podName)
 	}
+	if n := first(r.Extra[ExtraNodeName]); n != "" && n != pod.Node {
+		return Caller{}, fmt.Errorf("%s: token names node %s, but pod %s/%s is on node %s", who, n, ns, podName, pod.Node)
+	}
 	return Caller{Node: pod.Node, Who: fmt.Sprintf("%s (pod %s/%s)", who, ns, podName)}, nil
 }
 
@@ -146,3 +152,7 @@ func (k *KubeMode) Authorize(ctx context.Context, caller Caller, id spiffeid.ID)
 	}
 	return fmt.Errorf("node %s may not have %s: no running pod of namespace %s with service account %s is on node %s", caller.Node, id, ns, sa, caller.Node)
 }
+
+// DefaultAudience is the audience of the projected service-account tokens
+// node proxies present to `meshtun ca --kubernetes`.
+const DefaultAudience = "meshtun-ca"

@@ -55,7 +55,9 @@ func TestKubeMode(t *testing.T) {
 			"otheraud": sa("meshtun-system", "meshtun-node", "meshtun-node-abc", "u1", "kubernetes"),
 			"notnode":  sa("default", "a", "a-1", "u3", "meshtun-ca"),
 			"stale":    sa("meshtun-system", "meshtun-node", "meshtun-node-abc", "u-old", "meshtun-ca"),
-			"unbound":  {Authenticated: true, Username: "system:serviceaccount:meshtun-system:meshtun-node", Audiences: []string{"meshtun-ca"}},
+			"othernode": {Authenticated: true, Username: "system:serviceaccount:meshtun-system:meshtun-node", Audiences: []string{"meshtun-ca"},
+				Extra: map[string][]string{ExtraPodName: {"meshtun-node-abc"}, ExtraPodUID: {"u1"}, ExtraNodeName: {"k2"}}},
+			"unbound": {Authenticated: true, Username: "system:serviceaccount:meshtun-system:meshtun-node", Audiences: []string{"meshtun-ca"}},
 		},
 		Pods: fakePods{
 			{Namespace: "meshtun-system", Name: "meshtun-node-abc", UID: "u1", ServiceAccount: "meshtun-node", Node: "k1", Running: true},
@@ -83,11 +85,12 @@ func TestKubeMode(t *testing.T) {
 		t.Errorf("no token: %v, want ErrNoCredential", err)
 	}
 	for tok, want := range map[string]string{
-		"bogus":    "token not authenticated: invalid bearer token",
-		"otheraud": `not for audience "meshtun-ca"`,
-		"notnode":  "service account default/a is not a node account",
-		"stale":    "is gone",
-		"unbound":  "not bound to a pod",
+		"bogus":     "token not authenticated: invalid bearer token",
+		"otheraud":  `not for audience "meshtun-ca"`,
+		"notnode":   "service account default/a is not a node account",
+		"stale":     "is gone",
+		"unbound":   "not bound to a pod",
+		"othernode": "token names node k2, but pod meshtun-system/meshtun-node-abc is on node k1",
 	} {
 		if _, err := k.Authenticate(bearer(tok)); err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("token %s: %v, want %q", tok, err, want)
