@@ -170,6 +170,14 @@ func runNode(ctx context.Context, args []string) error {
 		defer sp.Close()
 		ncfg.Issuer, ncfg.Bundle = sp, sp.Bundle()
 		log.Info().Str("spire_admin_socket", spireSocket).Msg("certificates from the SPIRE agent")
+	case xf.caAddress != "":
+		remote, err := istiodIssuer(xf, mesh.TrustDomain, c.CA.SVIDTTL, log)
+		if err != nil {
+			return err
+		}
+		defer remote.Close()
+		ncfg.Issuer, ncfg.Bundle = remote, remote.Bundle()
+		log.Info().Str("ca", xf.caAddress).Msg("certificates from istiod's CA")
 	case c.CA.InsecureSharedDir:
 		// node.Run opens ca.dir itself, and says loudly that it does.
 	case c.CA.Address == "":
