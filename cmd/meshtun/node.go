@@ -161,6 +161,9 @@ func runNode(ctx context.Context, args []string) error {
 		ncfg.ConfigPath = ""
 		ncfg.Updates, ncfg.CaptureByRoute, ncfg.Status = updates, true, status
 	}
+	if spireSocket != "" && xf.caAddress != "" {
+		return errors.New("--spire-admin-socket and --ca-address are two sources of workload certificates: pick one")
+	}
 	switch {
 	case spireSocket != "":
 		sp, err := identity.DialSpire(ctx, identity.SpireConfig{AdminSocket: spireSocket, TrustDomain: mesh.TrustDomain, Logger: log})
