@@ -69,6 +69,9 @@ func runNode(ctx context.Context, args []string) error {
 	if name == "" {
 		return errors.New("-node (or the NODE_NAME environment variable) is required")
 	}
+	if spireSocket != "" && xf.caAddress != "" {
+		return errors.New("--spire-admin-socket and --ca-address are two sources of workload certificates: pick one")
+	}
 	_, envSet := os.LookupEnv("GOMAXPROCS")
 	n := nodeProcs(procs, envSet, runtime.GOMAXPROCS(0))
 	runtime.GOMAXPROCS(n)
@@ -160,9 +163,6 @@ func runNode(ctx context.Context, args []string) error {
 		// (or istiod).
 		ncfg.ConfigPath = ""
 		ncfg.Updates, ncfg.CaptureByRoute, ncfg.Status = updates, true, status
-	}
-	if spireSocket != "" && xf.caAddress != "" {
-		return errors.New("--spire-admin-socket and --ca-address are two sources of workload certificates: pick one")
 	}
 	switch {
 	case spireSocket != "":
