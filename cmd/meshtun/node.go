@@ -78,6 +78,9 @@ func runNode(ctx context.Context, args []string) error {
 	if name == "" {
 		return errors.New("-node (or the NODE_NAME environment variable) is required")
 	}
+	if spireSocket != "" && xf.caAddress != "" {
+		return errors.New("--spire-admin-socket and --ca-address are two sources of workload certificates: pick one")
+	}
 	_, envSet := os.LookupEnv("GOMAXPROCS")
 	n := nodeProcs(procs, envSet, runtime.GOMAXPROCS(0))
 	runtime.GOMAXPROCS(n)
@@ -180,6 +183,14 @@ func runNode(ctx context.Context, args []string) error {
 		defer sp.Close()
 		ncfg.Issuer, ncfg.Bundle = sp, sp.Bundle()
 		log.Info().Str("spire_admin_socket", spireSocket).Msg("certificates from the SPIRE agent")
+	case xf.caAddress != "":
+		remote, err := istiodIssuer(xf, mesh.TrustDomain, c.CA.SVIDTTL, log)
+		if err != nil {
+			return err
+		}
+		defer remote.Close()
+		ncfg.Issuer, ncfg.Bundle = remote, remote.Bundle()
+		log.Info().Str("ca", xf.caAddress).Msg("certificates from istiod's CA")
 	case c.CA.InsecureSharedDir:
 		// node.Run opens ca.dir itself, and says loudly that it does.
 	case c.CA.Address == "":

@@ -5,12 +5,16 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"net"
 	"net/netip"
 	"os"
+	"time"
 
 	"github.com/rs/zerolog"
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
 
 	"github.com/meshtun/meshtun/mesh/config"
+	"github.com/meshtun/meshtun/mesh/identity"
 	"github.com/meshtun/meshtun/mesh/kube"
 	"github.com/meshtun/meshtun/mesh/registry"
 	"github.com/meshtun/meshtun/mesh/xds"
@@ -24,6 +28,8 @@ type xdsFlags struct {
 	podName, podNamespace, serviceAccount string
 	instanceIP, clusterID, network        string
 	redirectPods                          bool
+	// istiod's CA
+	caAddress, caServerName, caRootCert string
 }
 
 func envOr(k, def string) string {
@@ -37,7 +43,10 @@ func (f *xdsFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.address, "xds-address", os.Getenv("XDS_ADDRESS"), "take the mesh (workloads, services, policies) from istiod's delta xDS at `host:port` (as istiod.istio-system.svc:15012; default $XDS_ADDRESS) instead of the config file")
 	fs.StringVar(&f.serverName, "xds-server-name", "", "the name istiod's certificate must carry; default the host of --xds-address")
 	fs.StringVar(&f.rootCert, "xds-root-cert", envOr("XDS_ROOT_CA", "/var/run/secrets/istio/root-cert.pem"), "PEM `file` of the roots that verify istiod (the istio-ca-root-cert ConfigMap, mounted; default $XDS_ROOT_CA)")
-	fs.StringVar(&f.token, "xds-token", "/var/run/secrets/tokens/istio-token", "`file` of the node's service-account token (audience istio-ca), sent to istiod as a bearer token")
+	fs.StringVar(&f.token, "xds-token", "/var/run/secrets/tokens/istio-token", "`file` of the node's service-account token (audience istio-ca), sent to istiod as a bearer token (xDS and, with --ca-address, the CA)")
+	fs.StringVar(&f.caAddress, "ca-address", os.Getenv("CA_ADDRESS"), "take the workloads' certificates from istiod's CA (IstioCertificateService) at `host:port` (as istiod.istio-system.svc:15012; default $CA_ADDRESS) instead of `meshtun ca`; authenticated with --xds-token, the node's service account must be in istiod's CA_TRUSTED_NODE_ACCOUNTS")
+	fs.StringVar(&f.caServerName, "ca-server-name", "", "the name istiod's certificate must carry at --ca-address; default the host of --ca-address")
+	fs.StringVar(&f.caRootCert, "ca-root-cert", envOr("CA_ROOT_CA", "/var/run/secrets/istio/root-cert.pem"), "PEM `file` of istiod's root: verifies istiod at --ca-address and is the mesh's first trust bundle (default $CA_ROOT_CA)")
 	fs.StringVar(&f.podName, "pod-name", os.Getenv("POD_NAME"), "with --xds-address: this node proxy's pod `name` (default $POD_NAME)")
 	fs.StringVar(&f.podNamespace, "pod-namespace", os.Getenv("POD_NAMESPACE"), "with --xds-address: its `namespace` (default $POD_NAMESPACE)")
 	fs.StringVar(&f.serviceAccount, "service-account", os.Getenv("SERVICE_ACCOUNT"), "with --xds-address: its service `account` (default $SERVICE_ACCOUNT)")
@@ -92,4 +101,34 @@ func startXDS(ctx context.Context, f xdsFlags, kubeconfig, nodeName string, c *c
 		return nil, nil, err
 	}
 	return snap, src, nil
+}
+
+// istiodIssuer returns the client of istiod's CA: TLS verified by
+// istiod's root and name, the node's projected token as bearer, the
+// cluster ID as istiod's agents send it. The root file is also the first
+// trust bundle of the mesh; istiod's responses keep it current.
+func istiodIssuer(f xdsFlags, td spiffeid.TrustDomain, ttl time.Duration, log zerolog.Logger) (*identity.RemoteIssuer, error) {
+	name := f.caServerName
+	if name == "" {
+		h, _, err := net.SplitHostPort(f.caAddress)
+		if err != nil {
+			return nil, fmt.Errorf("--ca-address %q: %w", f.caAddress, err)
+		}
+		name = h
+	}
+	pemRoots, err := os.ReadFile(f.caRootCert)
+	if err != nil {
+		return nil, fmt.Errorf("--ca-root-cert: %w", err)
+	}
+	roots, err := identity.ParseCertsPEM(pemRoots)
+	if err != nil {
+		return nil, fmt.Errorf("--ca-root-cert %s: %w", f.caRootCert, err)
+	}
+	if _, err := os.Stat(f.token); err != nil {
+		return nil, fmt.Errorf("--xds-token (the node's token for istiod's CA): %w", err)
+	}
+	return identity.DialCA(identity.RemoteConfig{
+		Address: f.caAddress, ServerName: name, TrustDomain: td, Bundle: identity.NewTrustBundle(td, roots),
+		Token: identity.TokenFile(f.token), ClusterID: f.clusterID, TTL: ttl, Logger: log,
+	})
 }

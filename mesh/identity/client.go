@@ -14,6 +14,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -51,8 +52,16 @@ type RemoteConfig struct {
 	// its roots with those the service sends. Required.
 	Bundle *TrustBundle
 	// ServerID is the SPIFFE ID the service must present; CAServerID if
-	// zero.
+	// zero and ServerName is empty.
 	ServerID spiffeid.ID
+	// ServerName, if set, is the DNS name the service's certificate must
+	// carry instead of a SPIFFE ID: istiod's serving certificate names
+	// its Service (istiod.istio-system.svc), not a SPIFFE identity.
+	ServerName string
+	// ClusterID, if set, is sent as the "ClusterID" request header, as
+	// Istio's agents do: istiod reviews the bearer token with that
+	// cluster's API server.
+	ClusterID string
 	// Credential, if set, returns the node's client certificate.
 	Credential func() (*tls.Certificate, error)
 	// Token, if set, returns a bearer token sent as "authorization".
@@ -92,7 +101,7 @@ func DialCA(cfg RemoteConfig) (*RemoteIssuer, error) {
 	case cfg.Bundle == nil:
 		return nil, errors.New("identity: certificate service: no trust bundle to verify it with")
 	}
-	if cfg.ServerID.IsZero() {
+	if cfg.ServerID.IsZero() && cfg.ServerName == "" {
 		cfg.ServerID = CAServerID(cfg.TrustDomain)
 	}
 	if cfg.Timeout <= 0 {
@@ -103,7 +112,7 @@ func DialCA(cfg RemoteConfig) (*RemoteIssuer, error) {
 		// Verified below against the bundle and by SPIFFE ID, not host name.
 		InsecureSkipVerify: true,
 		VerifyPeerCertificate: func(raw [][]byte, _ [][]*x509.Certificate) error {
-			return verifyServer(raw, cfg.Bundle, cfg.ServerID)
+			return verifyServer(raw, cfg.Bundle, cfg.ServerID, cfg.ServerName)
 		},
 	}
 	r := &RemoteIssuer{cfg: cfg}
@@ -176,7 +185,9 @@ func (r *RemoteIssuer) Close() error {
 	return r.conn.Close()
 }
 
-func verifyServer(raw [][]byte, bundle *TrustBundle, want spiffeid.ID) error {
+// verifyServer verifies the service's chain against the bundle, and its
+// leaf by DNS name if name is set, else by SPIFFE ID.
+func verifyServer(raw [][]byte, bundle *TrustBundle, want spiffeid.ID, name string) error {
 	if len(raw) == 0 {
 		return errors.New("identity: certificate service presented no certificate")
 	}
@@ -192,9 +203,12 @@ func verifyServer(raw [][]byte, bundle *TrustBundle, want spiffeid.ID) error {
 	for _, c := range certs[1:] {
 		inter.AddCert(c)
 	}
-	if _, err := certs[0].Verify(x509.VerifyOptions{Roots: bundle.Pool(), Intermediates: inter,
+	if _, err := certs[0].Verify(x509.VerifyOptions{Roots: bundle.Pool(), Intermediates: inter, DNSName: name,
 		KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}}); err != nil {
 		return fmt.Errorf("identity: certificate service not trusted: %w", err)
+	}
+	if name != "" {
+		return nil
 	}
 	id, err := x509svid.IDFromCert(certs[0])
 	if err != nil || id != want {
@@ -225,6 +239,9 @@ func (r *RemoteIssuer) Issue(ctx context.Context, id spiffeid.ID) (*x509svid.SVI
 			return nil, fmt.Errorf("bearer token: %w", err)
 		}
 		ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+tok)
+	}
+	if r.cfg.ClusterID != "" {
+		ctx = metadata.AppendToOutgoingContext(ctx, "ClusterID", r.cfg.ClusterID)
 	}
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.Timeout)
 	defer cancel()
@@ -365,4 +382,20 @@ func WriteNodeCredential(dir string, leaf *x509.Certificate, key *ecdsa.PrivateK
 		return err
 	}
 	return writeFileAtomic(filepath.Join(dir, NodeCertFile), EncodeCertsPEM([]*x509.Certificate{leaf}), 0o644)
+}
+
+// TokenFile returns a RemoteConfig.Token that reads the bearer token in
+// path on every request: the kubelet rotates projected tokens in place.
+func TokenFile(path string) func() (string, error) {
+	return func() (string, error) {
+		b, err := os.ReadFile(path)
+		if err != nil {
+			return "", fmt.Errorf("service-account token: %w", err)
+		}
+		tok := strings.TrimSpace(string(b))
+		if tok == "" {
+			return "", fmt.Errorf("service-account token: %s is empty", path)
+		}
+		return tok, nil
+	}
 }

@@ -2,6 +2,10 @@ package kube
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"net"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -9,6 +13,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	authv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -18,6 +25,7 @@ import (
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/meshtun/meshtun/mesh/identity"
 	"github.com/meshtun/meshtun/test/cluster"
 	"github.com/meshtun/meshtun/test/noderun"
 )
@@ -79,10 +87,14 @@ func istiodT(t *testing.T, cp *ControlPlane, trusted ...string) *Istiod {
 	return d
 }
 
-// istiodFiles writes what a meshtun pod in place of ztunnel has mounted:
-// the istio-ca-root-cert ConfigMap istiod puts in every namespace, and a
-// projected token of the node's service account with audience istio-ca.
-func istiodFiles(t *testing.T, cp *ControlPlane, dir string) (root, token, kubeconfig string) {
+// istiodFiles writes what a meshtun pod in place of ztunnel has mounted,
+// for each node: the istio-ca-root-cert ConfigMap istiod puts in every
+// namespace, and a projected token of the node's service account with
+// audience istio-ca, bound to the node's meshtun pod (which the test
+// creates on each node, as the DaemonSet would): istiod's CA lets a
+// trusted node account impersonate only the workloads on the node of the
+// pod its token is bound to.
+func istiodFiles(t *testing.T, cp *ControlPlane, dir string, nodes ...*cluster.Node) (root string, tokens []string, kubeconfig string) {
 	t.Helper()
 	ctx := context.Background()
 	deadline := time.Now().Add(time.Minute)
@@ -100,14 +112,30 @@ func istiodFiles(t *testing.T, cp *ControlPlane, dir string) (root, token, kubec
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
-	tok, err := cp.Admin.CoreV1().ServiceAccounts("istio-system").CreateToken(ctx, "ztunnel",
-		&authv1.TokenRequest{Spec: authv1.TokenRequestSpec{Audiences: []string{"istio-ca"}, ExpirationSeconds: new(int64(3600))}}, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	token = filepath.Join(dir, "istio-token")
-	if err := os.WriteFile(token, []byte(tok.Status.Token), 0o600); err != nil {
-		t.Fatal(err)
+	for _, n := range nodes {
+		pod := &corev1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Namespace: "istio-system", Name: "meshtun-" + noderun.NodeName(n), Labels: map[string]string{"app": "meshtun"}},
+			Spec: corev1.PodSpec{
+				NodeName: noderun.NodeName(n), ServiceAccountName: "ztunnel", HostNetwork: true,
+				AutomountServiceAccountToken: new(bool),
+				Containers:                   []corev1.Container{{Name: "meshtun", Image: "example.invalid/meshtun:1"}},
+			},
+		}
+		pod, err := cp.Admin.CoreV1().Pods("istio-system").Create(ctx, pod, metav1.CreateOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		tok, err := cp.Admin.CoreV1().ServiceAccounts("istio-system").CreateToken(ctx, "ztunnel",
+			&authv1.TokenRequest{Spec: authv1.TokenRequestSpec{Audiences: []string{"istio-ca"}, ExpirationSeconds: new(int64(3600)),
+				BoundObjectRef: &authv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: pod.Name, UID: pod.UID}}}, metav1.CreateOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		token := filepath.Join(dir, "istio-token-"+noderun.NodeName(n))
+		if err := os.WriteFile(token, []byte(tok.Status.Token), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		tokens = append(tokens, token)
 	}
 	// The API server's own token of the account, for --redirect-pods.
 	apiTok, err := cp.Admin.CoreV1().ServiceAccounts("istio-system").CreateToken(ctx, "ztunnel",
@@ -119,7 +147,59 @@ func istiodFiles(t *testing.T, cp *ControlPlane, dir string) (root, token, kubec
 	if err := os.WriteFile(kubeconfig, cp.Kubeconfig(apiTok.Status.Token), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	return root, token, kubeconfig
+	return root, tokens, kubeconfig
+}
+
+// istioNodeConfig writes the node settings of deploy/istio's ConfigMap.
+func istioNodeConfig(t *testing.T, ms []Manifest, dir string) string {
+	t.Helper()
+	for _, m := range ms {
+		if m.Obj.GetKind() != "ConfigMap" {
+			continue
+		}
+		y, ok, err := unstructured.NestedString(m.Obj.Object, "data", "mesh.yaml")
+		if err != nil || !ok {
+			t.Fatalf("deploy/istio's ConfigMap has no mesh.yaml: %v", err)
+		}
+		path := filepath.Join(dir, "mesh.yaml")
+		if err := os.WriteFile(path, []byte(y), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return path
+	}
+	t.Fatal("deploy/istio has no ConfigMap")
+	return ""
+}
+
+// peerChain returns the certificate chain the node serving HBONE at addr
+// presents, dialled from ns. The handshake is cut short once the chain is
+// in (the test has no client certificate).
+func peerChain(t *testing.T, ns *cluster.NS, addr netip.AddrPort) []*x509.Certificate {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	conn, err := ns.Dial(ctx, "tcp", addr.String())
+	if err != nil {
+		t.Fatalf("dial %s: %v", addr, err)
+	}
+	defer conn.Close()
+	var chain []*x509.Certificate
+	got := errors.New("chain received")
+	tc := tls.Client(conn, &tls.Config{InsecureSkipVerify: true, NextProtos: []string{"h2"}, MinVersion: tls.VersionTLS13,
+		VerifyPeerCertificate: func(raw [][]byte, _ [][]*x509.Certificate) error {
+			for _, r := range raw {
+				c, err := x509.ParseCertificate(r)
+				if err != nil {
+					return err
+				}
+				chain = append(chain, c)
+			}
+			return got
+		}})
+	if err := tc.HandshakeContext(ctx); !errors.Is(err, got) {
+		t.Fatalf("TLS to %s: %v, want the peer's chain", addr, err)
+	}
+	return chain
 }
 
 var authzGVR = schema.GroupVersionResource{Group: "security.istio.io", Version: "v1", Resource: "authorizationpolicies"}
@@ -139,9 +219,7 @@ func TestIstiod(t *testing.T) {
 	c := cluster.NewT(t, cluster.Spec{Name: "istd", Nodes: 2, PodsPerNode: 2})
 	cp := controlPlaneT(t, c)
 	ctx := context.Background()
-	ms := applyDeploy(t, cp)
 	dir := t.TempDir()
-	cfgPath := devNodeConfig(t, ms, dir)
 	// The nodes run as deploy/istio's account (ztunnel's, which istiod
 	// trusts by default) with its RBAC, applied server-side; nothing runs
 	// its DaemonSet (no controller manager), the test starts the nodes.
@@ -153,9 +231,9 @@ func TestIstiod(t *testing.T) {
 	if err := cp.Apply(ctx, istioMs, false); err != nil {
 		t.Fatalf("deploy/istio: %v", err)
 	}
-	root, token, kubeconfig := istiodFiles(t, cp, dir)
-
+	cfgPath := istioNodeConfig(t, istioMs, dir)
 	n1, n2 := c.Nodes[0], c.Nodes[1]
+	root, tokens, kubeconfig := istiodFiles(t, cp, dir, n1, n2)
 	p11 := n1.Pods[0]
 	p21, p22 := n2.Pods[0], n2.Pods[1]
 	k := kubelet{t: t, cs: cp.Admin}
@@ -165,12 +243,13 @@ func TestIstiod(t *testing.T) {
 	echo(t, p21, 8080)
 	echo(t, p22, 8080)
 
-	start := func(n *cluster.Node) *noderun.Process {
+	start := func(n *cluster.Node, token string) *noderun.Process {
 		sctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 		defer cancel()
 		m, err := noderun.Start(sctx, meshtunBin, n, "--config", cfgPath,
 			"--xds-address", istiod.Addr.String(), "--xds-server-name", istiod.ServerName,
 			"--xds-root-cert", root, "--xds-token", token,
+			"--ca-address", istiod.Addr.String(), "--ca-server-name", istiod.ServerName, "--ca-root-cert", root,
 			"--pod-name", "meshtun-"+noderun.NodeName(n), "--pod-namespace", "istio-system",
 			"--service-account", "ztunnel", "--instance-ip", n.IPv4.String(), "--cluster-id", "Kubernetes",
 			"--redirect-pods", "--kubeconfig", kubeconfig)
@@ -180,7 +259,7 @@ func TestIstiod(t *testing.T) {
 		t.Cleanup(func() { m.Stop(9) })
 		return m
 	}
-	m1, m2 := start(n1), start(n2)
+	m1, m2 := start(n1, tokens[0]), start(n2, tokens[1])
 	t.Cleanup(func() {
 		if t.Failed() {
 			t.Logf("node 1 log:\n%s\nnode 2 log:\n%s", m1.Logs(), m2.Logs())
@@ -227,6 +306,75 @@ func TestIstiod(t *testing.T) {
 			wantField(t, in, "direction", "inbound")
 			wantField(t, in, "src.identity", spiffe("apps", "client"))
 		}
+	})
+
+	t.Run("workload certificates from istiod's CA", func(t *testing.T) {
+		rootPEM, err := os.ReadFile(root)
+		if err != nil {
+			t.Fatal(err)
+		}
+		roots := x509.NewCertPool()
+		if !roots.AppendCertsFromPEM(rootPEM) {
+			t.Fatal("no certificate in istio-ca-root-cert")
+		}
+		// The server pod's node answers HBONE for it with its SVID.
+		chain := peerChain(t, n1.NS, netip.AddrPortFrom(p21.IPv4, 15008))
+		inter := x509.NewCertPool()
+		for _, c := range chain[1:] {
+			inter.AddCert(c)
+		}
+		if _, err := chain[0].Verify(x509.VerifyOptions{Roots: roots, Intermediates: inter,
+			KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageAny}}); err != nil {
+			t.Fatalf("the server's certificate (issuer %q) does not chain to istiod's root: %v", chain[0].Issuer, err)
+		}
+		if len(chain[0].URIs) != 1 || chain[0].URIs[0].String() != spiffe("apps", "server") {
+			t.Errorf("the server's certificate names %v, want %s", chain[0].URIs, spiffe("apps", "server"))
+		}
+		t.Logf("server certificate: issuer %q, valid until %s", chain[0].Issuer, chain[0].NotAfter.Format(time.RFC3339))
+	})
+
+	t.Run("istiod refuses a node the identity of another node's pod", func(t *testing.T) {
+		// Node 1's credential (its token, bound to its meshtun pod) asks
+		// istiod's CA directly, as a compromised node might.
+		td := spiffeid.RequireTrustDomainFromString("cluster.local")
+		rootPEM, err := os.ReadFile(root)
+		if err != nil {
+			t.Fatal(err)
+		}
+		roots, err := identity.ParseCertsPEM(rootPEM)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ca, err := identity.DialCA(identity.RemoteConfig{
+			Address: istiod.Addr.String(), ServerName: istiod.ServerName, TrustDomain: td,
+			Bundle: identity.NewTrustBundle(td, roots), Token: identity.TokenFile(tokens[0]), ClusterID: "Kubernetes",
+			Dial: func(ctx context.Context, addr string) (net.Conn, error) { return n1.NS.Dial(ctx, "tcp", addr) },
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ca.Close()
+		// Its own pod's identity: issued (so the refusal below is not of
+		// the credential itself).
+		own := spiffeid.RequireFromString(spiffe("apps", "client"))
+		if svid, err := ca.Issue(ctx, own); err != nil {
+			t.Fatalf("node 1 asking for %s (its pod's): %v", own, err)
+		} else if svid.ID != own {
+			t.Fatalf("issued %s, asked for %s", svid.ID, own)
+		}
+		// The server pod runs on node 2 only.
+		other := spiffeid.RequireFromString(spiffe("apps", "server"))
+		svid, err := ca.Issue(ctx, other)
+		if err == nil {
+			t.Fatalf("istiod issued node 1 a certificate for %s, whose only pod runs on node 2", svid.ID)
+		}
+		// istiod answers Unauthenticated ("request impersonation
+		// authentication failure") at this version, PermissionDenied at
+		// others; the same credential was just good for its own pod.
+		if c := status.Code(err); c != codes.Unauthenticated && c != codes.PermissionDenied {
+			t.Errorf("node 1 asking for %s: %v, want istiod's refusal (Unauthenticated or PermissionDenied)", other, err)
+		}
+		t.Logf("refused: %v", err)
 	})
 
 	t.Run("AuthorizationPolicy from the API server denies", func(t *testing.T) {

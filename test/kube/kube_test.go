@@ -113,26 +113,6 @@ func nodeConfig(t *testing.T, ms []Manifest, dir string, ca netip.AddrPort) stri
 	return ""
 }
 
-// devNodeConfig is nodeConfig in the development mode the shipped manifests
-// do not use: every node opens the CA directory dir/ca (insecureSharedDir).
-// For tests whose nodes get no certificate service.
-func devNodeConfig(t *testing.T, ms []Manifest, dir string) string {
-	t.Helper()
-	path := nodeConfig(t, ms, dir, netip.MustParseAddrPort("127.0.0.1:1"))
-	data, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	y := strings.Replace(string(data), "ca: {", "ca: {insecureSharedDir: true, ", 1)
-	if y == string(data) {
-		t.Fatalf("no ca: {...} line in %s:\n%s", path, data)
-	}
-	if err := os.WriteFile(path, []byte(y), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	return path
-}
-
 // kubelet plays the kubelet and the CNI for the test's pods: the cluster
 // package built the pods' namespaces and veths (like kindnet); kubelet
 // creates their Pod objects and reports their status.
