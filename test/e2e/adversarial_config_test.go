@@ -2,10 +2,12 @@ package e2e
 
 import (
 	"context"
+	"errors"
 	"io"
 	"net"
 	"net/netip"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -153,4 +155,88 @@ func TestAdversarialConfig(t *testing.T) {
 			t.Fatalf("client → web:8080, a port the DENY does not name: %q", got)
 		}
 	})
+}
+
+// TestStrictResetsOpenPlaintext: a plaintext connection from outside the
+// mesh to a PERMISSIVE workload with no policy is not proxied (it travels
+// verbatim, at kernel speed). A reload that makes the workload STRICT must
+// not leave it open: its next segment meets the capture policy, which now
+// intercepts it, and the netstack, which has no such connection, resets
+// it. Nothing sent after the reload reaches the workload, and a new
+// plaintext connection is refused.
+func TestStrictResetsOpenPlaintext(t *testing.T) {
+	c := cluster.NewT(t, cluster.Spec{Name: "strictrs", Nodes: 1, PodsPerNode: 2, NoExternal: true, Control: true})
+	outside, web := c.Nodes[0].Pods[0], c.Nodes[0].Pods[1]
+	mesh := func(strict bool) noderun.Mesh {
+		return noderun.Mesh{Pods: map[string]noderun.Pod{
+			outside.ID: {Outside: true},
+			web.ID:     {Name: "web", Strict: strict},
+		}}
+	}
+	cfg := writeConfig(t, c, mesh(false))
+	n := startWithConfig(t, c.Nodes[0], cfg)
+
+	got := make(chan string, 16)
+	serve(t, web, 8080, func(c net.Conn) {
+		buf := make([]byte, 64)
+		for {
+			k, err := c.Read(buf)
+			if k > 0 {
+				got <- string(buf[:k])
+				c.Write(buf[:k])
+			}
+			if err != nil {
+				return
+			}
+		}
+	})
+
+	cl := dial(t, outside.NS, web.IPv4, 8080)
+	defer cl.Close()
+	roundTrip := func(msg string) error {
+		if _, err := cl.Write([]byte(msg)); err != nil {
+			return err
+		}
+		cl.SetReadDeadline(time.Now().Add(10 * time.Second))
+		b := make([]byte, len(msg))
+		_, err := io.ReadFull(cl, b)
+		return err
+	}
+	if err := roundTrip("before"); err != nil {
+		t.Fatalf("plaintext to the PERMISSIVE workload: %v", err)
+	}
+	if s := <-got; s != "before" {
+		t.Fatalf("workload received %q", s)
+	}
+
+	mark := n.Len()
+	writeConfig(t, c, mesh(true))
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+	defer cancel()
+	if _, err := n.WaitLogSince(ctx, mark, func(l noderun.Line) bool { return l.Str("message") == "config reloaded" }); err != nil {
+		t.Fatalf("node logged no reload: %v", err)
+	}
+
+	err := roundTrip("after")
+	if err == nil {
+		t.Fatal("the open plaintext connection still works after its workload turned STRICT")
+	}
+	if !errors.Is(err, syscall.ECONNRESET) {
+		t.Errorf("the open plaintext connection ended with %v; want a reset", err)
+	}
+	select {
+	case s := <-got:
+		t.Fatalf("workload received %q after it turned STRICT", s)
+	case <-time.After(500 * time.Millisecond):
+	}
+	ctx2, cancel2 := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel2()
+	if nc, err := outside.Dial(ctx2, "tcp", netip.AddrPortFrom(web.IPv4, 8080).String()); err == nil {
+		nc.SetReadDeadline(time.Now().Add(5 * time.Second))
+		k, rerr := nc.Read(make([]byte, 16))
+		nc.Close()
+		if rerr == nil || k > 0 {
+			t.Fatalf("a new plaintext connection to the STRICT workload read %d bytes", k)
+		}
+	}
 }
