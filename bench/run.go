@@ -298,6 +298,15 @@ func Run(ctx context.Context, o Options) (*report.Result, error) {
 			if ctx.Err() != nil {
 				return nil, ctx.Err()
 			}
+			var full *filesFullError
+			if l.Peer && errors.As(err, &full) {
+				// A peer's own descriptor budget, not meshtun's: the
+				// steps it reached are recorded, the rest is a limit.
+				msg := fmt.Sprintf("%s/idle connections: %v", l.Name, err)
+				res.Limits = append(res.Limits, msg)
+				o.Progress.note("bench: beyond a peer's limit: " + msg)
+				continue
+			}
 			fail(l, "idle connections", err)
 		}
 	}
@@ -425,7 +434,10 @@ func idleConns(ctx context.Context, l *lane, pl plan, bin string, prog *Progress
 		prog.step(fmt.Sprintf("%d idle connections · %s", n, l.Name))
 		var err error
 		if set, err = gen.OpenIdle(ctx, l.Src.NS, h, set, n-set.Len()); err != nil {
-			return fmt.Errorf("%w%s", err, filesNote(l))
+			if note := filesNote(l); note != "" {
+				return &filesFullError{err: err, note: note}
+			}
+			return err
 		}
 		worst := 0.0
 		for i, x := range l.Proxies {
@@ -439,6 +451,16 @@ func idleConns(ctx context.Context, l *lane, pl plan, bin string, prog *Progress
 	}
 	return nil
 }
+
+// filesFullError is an idle-connection step that failed while a proxy of
+// the path held as many descriptors as its open-file limit allows.
+type filesFullError struct {
+	err  error
+	note string
+}
+
+func (e *filesFullError) Error() string { return fmt.Sprintf("%v%s", e.err, e.note) }
+func (e *filesFullError) Unwrap() error { return e.err }
 
 // filesNote names the proxies of l that have used up their open-file
 // limit (a proxy that holds descriptors per connection stops accepting

@@ -39,6 +39,7 @@ func sample() *Result {
 				Values: map[string]Value{"direct": NewValue([]float64{0}), "mesh": NewValue([]float64{2})}},
 		},
 		Errors: []string{"peer/rr: connection refused"},
+		Limits: []string{"peer/idle connections: 9,911th timed out (tun2socks n9 holds 20000 descriptors, its open-file limit)"},
 	}
 }
 
@@ -97,6 +98,7 @@ func TestTable(t *testing.T) {
 		"+45.0µs ×1.82", // rr p50: mesh 100 vs direct 55
 		"—",             // missing value
 		"1 measurement(s) failed", "peer/rr: connection refused",
+		"1 measurement(s) beyond a peer's own limits (not taken)", "peer/idle connections: 9,911th",
 	} {
 		if !strings.Contains(out, want) {
 			t.Errorf("table lacks %q:\n%s", want, out)

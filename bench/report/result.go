@@ -46,6 +46,10 @@ type Result struct {
 	Profiles []string `json:"profiles,omitempty"`
 	// Errors lists the measurements that failed ("path/scenario: error").
 	Errors []string `json:"errors,omitempty"`
+	// Limits lists the measurements a peer could not make within a limit
+	// of its own, such as its open-file limit ("path/scenario: why"): a
+	// property of the peer on this machine, not a failure of the run.
+	Limits []string `json:"limits,omitempty"`
 }
 
 // Host describes the machine a run was on.

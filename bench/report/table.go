@@ -100,6 +100,12 @@ func WriteTable(w io.Writer, r *Result) error {
 	if hasVariants(r) {
 		b.WriteString("B paths (·): " + r.Variant + "; “B vs A”: each B path against the same path of A\n")
 	}
+	if len(r.Limits) > 0 {
+		fmt.Fprintf(&b, "\n%d measurement(s) beyond a peer's own limits (not taken):\n", len(r.Limits))
+		for _, e := range r.Limits {
+			b.WriteString("  " + e + "\n")
+		}
+	}
 	if len(r.Errors) > 0 {
 		fmt.Fprintf(&b, "\n%d measurement(s) failed:\n", len(r.Errors))
 		for _, e := range r.Errors {
