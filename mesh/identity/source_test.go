@@ -121,7 +121,12 @@ func TestSourceHoldsOnlyLocalIdentities(t *testing.T) {
 }
 
 func TestSourceRenewsAtHalfLife(t *testing.T) {
-	const ttl = 2 * time.Second
+	// Certificate times have one-second resolution: with 4 s the renewal
+	// comes at least 1.6 s (half-life less jitter) after the first issue,
+	// so its NotAfter is a later second. (With 2 s a renewal 0.8 s later
+	// could land in the same second, and the expiry check below failed
+	// about once in a loaded run.)
+	const ttl = 4 * time.Second
 	ca := openCA(t, t.TempDir(), testTD, ttl)
 	src, updates := newTestSource(t, ca, ca)
 	id := mustID(t, testTD, "ns", "short")
