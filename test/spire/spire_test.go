@@ -31,6 +31,7 @@ func TestMain(m *testing.M) {
 	}
 	meshtunBin = filepath.Join(dir, "meshtun")
 	build := exec.Command("go", "build", "-o", meshtunBin, "github.com/meshtun/meshtun/cmd/meshtun")
+	build.Dir = "../.." // the product's own module: its go.mod and go.sum, not this test module's
 	build.Stdout, build.Stderr = os.Stderr, os.Stderr
 	if err := build.Run(); err != nil {
 		fmt.Fprintln(os.Stderr, "spire: build meshtun:", err)
