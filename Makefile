@@ -3,7 +3,7 @@ GO      ?= go
 BIN     := bin/meshtun
 PKGS    := ./...
 
-.PHONY: all build test unit e2e vet fuzz bench demo mutate clean image image-push image-test
+.PHONY: all build test unit e2e vet fuzz bench bench-kube demo mutate clean image image-push image-test
 
 all: build
 
@@ -72,6 +72,15 @@ demo: build
 bench: build
 	$(GO) test -run '^$$' -bench . -benchmem ./stack/classify
 	./$(BIN) bench --peers --json bench/results/bench.json --out bench/results $(BENCHFLAGS)
+
+# bench-kube runs test/kube's benchmarks once (root; not part of `make
+# test`, which only vets them): meshtun node --kubernetes against a real
+# API server holding 10,000 pods and 2,000 services: the node's RSS, and
+# the p50/p99 time from a pod's status patch to its capture rule and from
+# an AuthorizationPolicy's creation to its enforcement (200 changes each).
+# About 5 minutes on a busy 2-core machine; docs/kubernetes.md has numbers.
+bench-kube:
+	cd test/kube && $(GO) test -run '^$$' -bench . -benchtime 1x -timeout 60m ./...
 
 # image builds the container image without a container runtime or a base
 # image to pull (deploy/image, go-containerregistry): a static meshtun at

@@ -46,7 +46,7 @@ type caProc struct {
 // the meshtun-ca Secret), and runs `meshtun ca serve --kubernetes
 // --root-from` it, with a kubeconfig of the meshtun-ca service account
 // (the shipped RBAC), on cfgPath.
-func startCA(t *testing.T, cp *ControlPlane, ms []Manifest, cfgPath, dir string) *caProc {
+func startCA(t testing.TB, cp *ControlPlane, ms []Manifest, cfgPath, dir string) *caProc {
 	t.Helper()
 	ctx := context.Background()
 	shipped := shippedCAArgs(t, ms)
@@ -102,7 +102,7 @@ func startCA(t *testing.T, cp *ControlPlane, ms []Manifest, cfgPath, dir string)
 // workloads (the CA key only in the CA's pod, the nodes' projected token of
 // the CA audience where `meshtun node` looks by default) and returns the
 // arguments of the CA's container.
-func shippedCAArgs(t *testing.T, ms []Manifest) []string {
+func shippedCAArgs(t testing.TB, ms []Manifest) []string {
 	t.Helper()
 	var ca *appsv1.Deployment
 	var ds *appsv1.DaemonSet
@@ -177,7 +177,7 @@ func (c *caProc) lines() []noderun.Line {
 }
 
 // wait waits up to 20 s for a log line from mark on that matches pred.
-func (c *caProc) wait(t *testing.T, mark int, what string, pred func(noderun.Line) bool) noderun.Line {
+func (c *caProc) wait(t testing.TB, mark int, what string, pred func(noderun.Line) bool) noderun.Line {
 	t.Helper()
 	deadline := time.Now().Add(20 * time.Second)
 	for {
@@ -210,7 +210,7 @@ func (c *caProc) dial(cp *ControlPlane) func(ctx context.Context, addr string) (
 // it creates the proxy's pod (service account meshtun of meshtun-system,
 // scheduled on n) and a token of audience meshtun-ca bound to it, in a
 // file of dir.
-func nodeToken(t *testing.T, cp *ControlPlane, n *cluster.Node, dir string) string {
+func nodeToken(t testing.TB, cp *ControlPlane, n *cluster.Node, dir string) string {
 	t.Helper()
 	name := "meshtun-" + noderun.NodeName(n)
 	return boundToken(t, cp, "meshtun-system", name, "meshtun", noderun.NodeName(n), filepath.Join(dir, name+".token"))
@@ -218,7 +218,7 @@ func nodeToken(t *testing.T, cp *ControlPlane, n *cluster.Node, dir string) stri
 
 // boundToken creates pod ns/name with service account sa on node (unless
 // it exists) and writes a token of audience meshtun-ca bound to it to path.
-func boundToken(t *testing.T, cp *ControlPlane, ns, name, sa, node, path string) string {
+func boundToken(t testing.TB, cp *ControlPlane, ns, name, sa, node, path string) string {
 	t.Helper()
 	ctx := context.Background()
 	pod, err := cp.Admin.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})

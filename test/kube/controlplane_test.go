@@ -11,7 +11,7 @@ import (
 )
 
 // buildT builds (or finds in the cache) the control-plane binaries.
-func buildT(t *testing.T) Binaries {
+func buildT(t testing.TB) Binaries {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 40*time.Minute)
 	defer cancel()
@@ -24,7 +24,7 @@ func buildT(t *testing.T) Binaries {
 
 // controlPlaneT starts a control plane in c's external host and stops it
 // in t.Cleanup.
-func controlPlaneT(t *testing.T, c *cluster.Cluster) *ControlPlane {
+func controlPlaneT(t testing.TB, c *cluster.Cluster) *ControlPlane {
 	t.Helper()
 	bins := buildT(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)

@@ -59,7 +59,7 @@ const deployDir = "../../deploy/kubernetes"
 // applyDeploy applies every manifest of deploy/kubernetes, namespaces
 // first, as server-side apply against the real API server: the manifests
 // are validated, and the node then runs with exactly the shipped RBAC.
-func applyDeploy(t *testing.T, cp *ControlPlane) []Manifest {
+func applyDeploy(t testing.TB, cp *ControlPlane) []Manifest {
 	t.Helper()
 	ms, err := ReadManifests(deployDir)
 	if err != nil {
@@ -82,7 +82,7 @@ func applyDeploy(t *testing.T, cp *ControlPlane) []Manifest {
 // nodeConfig writes the settings of deploy/kubernetes' ConfigMap (read
 // by the nodes and by `meshtun ca`), with the CA's address moved to ca (the
 // control plane's namespace) and its directory to dir.
-func nodeConfig(t *testing.T, ms []Manifest, dir string, ca netip.AddrPort) string {
+func nodeConfig(t testing.TB, ms []Manifest, dir string, ca netip.AddrPort) string {
 	t.Helper()
 	const addr, caDir = "meshtun-ca.meshtun-system.svc:15012", "/var/lib/meshtun/ca"
 	for _, m := range ms {
@@ -117,7 +117,7 @@ func nodeConfig(t *testing.T, ms []Manifest, dir string, ca netip.AddrPort) stri
 // package built the pods' namespaces and veths (like kindnet); kubelet
 // creates their Pod objects and reports their status.
 type kubelet struct {
-	t  *testing.T
+	t  testing.TB
 	cs *kubernetes.Clientset
 }
 
@@ -171,7 +171,7 @@ func (k kubelet) run(p *cluster.Pod, ns, name, sa string, labels map[string]stri
 }
 
 // echo serves an echo on port in p's namespace.
-func echo(t *testing.T, p *cluster.Pod, port int) {
+func echo(t testing.TB, p *cluster.Pod, port int) {
 	t.Helper()
 	ln, err := p.Listen("tcp", fmt.Sprintf(":%d", port))
 	if err != nil {
@@ -191,7 +191,7 @@ func echo(t *testing.T, p *cluster.Pod, port int) {
 
 // roundTrip connects from p to dst, has a message echoed and closes; it
 // returns the connection's source and destination.
-func roundTrip(t *testing.T, p *cluster.Pod, dst netip.AddrPort) (src netip.AddrPort) {
+func roundTrip(t testing.TB, p *cluster.Pod, dst netip.AddrPort) (src netip.AddrPort) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
@@ -214,7 +214,7 @@ func roundTrip(t *testing.T, p *cluster.Pod, dst netip.AddrPort) (src netip.Addr
 }
 
 // waitLog waits for a log line of m from mark on.
-func waitLog(t *testing.T, m *noderun.Process, mark int, what string, pred func(noderun.Line) bool) noderun.Line {
+func waitLog(t testing.TB, m *noderun.Process, mark int, what string, pred func(noderun.Line) bool) noderun.Line {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
@@ -680,7 +680,7 @@ func roundTripMaybe(p *cluster.Pod, dst netip.AddrPort) netip.AddrPort {
 }
 
 // ruleFor reports whether node n has a policy rule for prefix.
-func ruleFor(t *testing.T, n *cluster.Node, prefix string) bool {
+func ruleFor(t testing.TB, n *cluster.Node, prefix string) bool {
 	t.Helper()
 	rules, err := n.IPRules(2) // AF_INET
 	if err != nil {
@@ -697,7 +697,7 @@ func ruleFor(t *testing.T, n *cluster.Node, prefix string) bool {
 // waitRule waits until node n has (want) or has not (!want) a capture rule
 // for prefix. The kernel's rules have no change notification the test
 // can wait on; they are polled.
-func waitRule(t *testing.T, n *cluster.Node, prefix string, want bool) {
+func waitRule(t testing.TB, n *cluster.Node, prefix string, want bool) {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
 	for ruleFor(t, n, prefix) != want {
@@ -710,7 +710,7 @@ func waitRule(t *testing.T, n *cluster.Node, prefix string, want bool) {
 
 // installIstioCRDs creates the two Istio security CRDs the node reads, with
 // a schema that keeps any field (Istio's own CRDs validate more).
-func installIstioCRDs(t *testing.T, cp *ControlPlane) {
+func installIstioCRDs(t testing.TB, cp *ControlPlane) {
 	t.Helper()
 	dyn := dynamic.NewForConfigOrDie(cp.AdminConfig)
 	crds := dyn.Resource(schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"})
@@ -737,7 +737,7 @@ func installIstioCRDs(t *testing.T, cp *ControlPlane) {
 }
 
 // getJSON fetches url from inside node n and decodes its JSON body.
-func getJSON(t *testing.T, n *cluster.Node, url string, v any) {
+func getJSON(t testing.TB, n *cluster.Node, url string, v any) {
 	t.Helper()
 	hc := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DialContext: n.Dial}}
 	resp, err := hc.Get(url)
