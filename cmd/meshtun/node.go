@@ -152,21 +152,22 @@ func runNode(ctx context.Context, args []string) error {
 		}
 	}
 	ncfg := node.Config{
-		Name:            nc.Name,
-		TUN:             tun.Config{Name: nc.TUN.Name, MTU: nc.TUN.MTU, TxQueueLen: nc.TUN.TxQueueLen},
-		CaptureLinks:    links,
-		Mesh:            mesh,
-		CA:              identity.CAConfig{Dir: c.CA.Dir, SVIDTTL: c.CA.SVIDTTL},
-		ConfigPath:      c.Path,
-		ConfigSum:       c.Sum(),
-		NoIntercept:     noIntercept,
-		HBONEOnNetstack: hboneNetstack,
-		AckDelay:        ackDelay,
-		AdminAddr:       nc.Listen.Admin,
-		MetricsAddr:     nc.Listen.Metrics,
-		ReadinessAddr:   nc.Listen.Readiness,
-		DrainPeriod:     drain,
-		Logger:          log,
+		Name:             nc.Name,
+		TUN:              tun.Config{Name: nc.TUN.Name, MTU: nc.TUN.MTU, TxQueueLen: nc.TUN.TxQueueLen},
+		CaptureLinks:     links,
+		Mesh:             mesh,
+		CA:               identity.CAConfig{Dir: c.CA.Dir, SVIDTTL: c.CA.SVIDTTL},
+		ConfigPath:       c.Path,
+		ConfigSum:        c.Sum(),
+		NoIntercept:      noIntercept,
+		HBONEOnNetstack:  hboneNetstack,
+		AckDelay:         ackDelay,
+		AdminAddr:        nc.Listen.Admin,
+		ConfigDumpFormat: nc.Listen.AdminFormat,
+		MetricsAddr:      nc.Listen.Metrics,
+		ReadinessAddr:    nc.Listen.Readiness,
+		DrainPeriod:      drain,
+		Logger:           log,
 	}
 	if useKube || useXDS {
 		// Node settings apply at start; the model follows the API server

@@ -163,6 +163,10 @@ type ListenConfig struct {
 	Admin     string `yaml:"admin"`
 	Metrics   string `yaml:"metrics"`
 	Readiness string `yaml:"readiness"`
+	// AdminFormat is the shape of the admin /config_dump without
+	// ?format=: "meshtun" (default) or "ztunnel" (ztunnel's JSON, for
+	// tools that read ztunnel's admin endpoint).
+	AdminFormat string `yaml:"adminFormat"`
 }
 
 // Workload is a pod or any other addressable endpoint.

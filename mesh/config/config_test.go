@@ -285,6 +285,8 @@ func TestErrors(t *testing.T) {
 				`t.yaml:1:58: nodes[0].listen.readiness: "[::]:99999": "99999" is not a port number (1-65535)`,
 				`t.yaml:1:79: nodes[0].listen.admin: "example.com:1": the host must be an IP address, localhost or empty (all addresses)`,
 			}},
+		{"admin format", "nodes: [{name: n1, listen: {adminFormat: envoy}}]\n",
+			[]string{`t.yaml:1:42: nodes[0].listen.adminFormat: "envoy": want meshtun or ztunnel`}},
 		{"workload without name", node + "workloads: [{node: n1, addresses: [198.18.1.11]}]\n", []string{`t.yaml:2:13: workloads[0].name: is required`}},
 		{"bad workload name", node + "workloads: [{name: Echo_1, node: n1, addresses: [198.18.1.11]}]\n",
 			[]string{`t.yaml:2:20: workloads[0].name: "Echo_1" is not a valid name: lower-case letters, digits, '-' and '.', starting and ending with a letter or digit`}},

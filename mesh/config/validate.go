@@ -318,6 +318,11 @@ func (c *Config) validateNodes(d *decoder) map[string]int {
 			}
 			links[l] = "capture link"
 		}
+		switch n.Listen.AdminFormat {
+		case "", "meshtun", "ztunnel":
+		default:
+			d.errorf(p+".listen.adminFormat", "%q: want meshtun or ztunnel", n.Listen.AdminFormat)
+		}
 		for _, f := range []struct {
 			name string
 			v    *string

@@ -13,12 +13,16 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 )
 
-// Labels of Istio's TCP metrics, in Istio's names.
+// Labels of Istio's TCP metrics, in Istio's names (those ztunnel
+// reports, less destination_service_name and _namespace).
 var connLabels = []string{
 	"reporter",
 	"source_workload", "source_workload_namespace", "source_principal",
+	"source_canonical_service", "source_canonical_revision", "source_app", "source_version", "source_cluster",
 	"destination_workload", "destination_workload_namespace", "destination_principal",
+	"destination_canonical_service", "destination_canonical_revision", "destination_app", "destination_version", "destination_cluster",
 	"destination_service",
+	"request_protocol",
 	"connection_security_policy",
 	"response_flags",
 }
@@ -27,10 +31,11 @@ var connLabels = []string{
 // reported as "unknown", as Istio does.
 type Conn struct {
 	// Reporter is "source" (the client's node) or "destination".
-	Reporter                                string
-	SrcWorkload, SrcNamespace, SrcPrincipal string
-	DstWorkload, DstNamespace, DstPrincipal string
-	DstService                              string
+	Reporter string
+	// Src and Dst are the two ends. Their app and version labels repeat
+	// the canonical service and revision, as ztunnel's do.
+	Src, Dst   Peer
+	DstService string
 	// SecurityPolicy is "mutual_tls" for HBONE, "none" for plaintext.
 	SecurityPolicy string
 	// ResponseFlags is "-" for a connection that went through, "DENY" for
@@ -39,9 +44,23 @@ type Conn struct {
 	ResponseFlags string
 }
 
+// Peer is one end of a connection, as Istio's labels name it.
+type Peer struct {
+	// Workload is the name of the workload's owner (a Deployment's name,
+	// not its pod's) when the model knows it.
+	Workload, Namespace, Principal string
+	// CanonicalService and CanonicalRevision are Istio's canonical names.
+	CanonicalService, CanonicalRevision string
+	Cluster                             string
+}
+
 func (c *Conn) values() []string {
-	v := []string{c.Reporter, c.SrcWorkload, c.SrcNamespace, c.SrcPrincipal,
-		c.DstWorkload, c.DstNamespace, c.DstPrincipal, c.DstService, c.SecurityPolicy, c.ResponseFlags}
+	v := []string{c.Reporter,
+		c.Src.Workload, c.Src.Namespace, c.Src.Principal,
+		c.Src.CanonicalService, c.Src.CanonicalRevision, c.Src.CanonicalService, c.Src.CanonicalRevision, c.Src.Cluster,
+		c.Dst.Workload, c.Dst.Namespace, c.Dst.Principal,
+		c.Dst.CanonicalService, c.Dst.CanonicalRevision, c.Dst.CanonicalService, c.Dst.CanonicalRevision, c.Dst.Cluster,
+		c.DstService, "tcp", c.SecurityPolicy, c.ResponseFlags}
 	for i := range v {
 		if v[i] == "" {
 			v[i] = "unknown"

@@ -18,8 +18,11 @@ import (
 func TestConnCounters(t *testing.T) {
 	m := New()
 	ok := Conn{
-		Reporter: "source", SrcWorkload: "client", SrcNamespace: "a", SrcPrincipal: "spiffe://cluster.local/ns/a/sa/client",
-		DstWorkload: "server", DstNamespace: "b", DstPrincipal: "spiffe://cluster.local/ns/b/sa/server",
+		Reporter: "source",
+		Src: Peer{Workload: "client", Namespace: "a", Principal: "spiffe://cluster.local/ns/a/sa/client",
+			CanonicalService: "client-app", CanonicalRevision: "v1", Cluster: "c1"},
+		Dst: Peer{Workload: "server", Namespace: "b", Principal: "spiffe://cluster.local/ns/b/sa/server",
+			CanonicalService: "server-app", CanonicalRevision: "v2", Cluster: "c1"},
 		SecurityPolicy: "mutual_tls", ResponseFlags: "-",
 	}
 	m.Opened(&ok)
@@ -33,25 +36,25 @@ func TestConnCounters(t *testing.T) {
 	dst.Reporter = "destination"
 	m.Opened(&dst)
 	// A refusal with unknown source.
-	denied := Conn{Reporter: "destination", DstWorkload: "server", DstNamespace: "b", SecurityPolicy: "none", ResponseFlags: "DENY"}
+	denied := Conn{Reporter: "destination", Dst: Peer{Workload: "server", Namespace: "b"}, SecurityPolicy: "none", ResponseFlags: "DENY"}
 	m.Refused(&denied)
 
 	want := `
 # HELP istio_tcp_connections_opened_total TCP connections opened (Istio standard metric).
 # TYPE istio_tcp_connections_opened_total counter
-istio_tcp_connections_opened_total{connection_security_policy="mutual_tls",destination_principal="spiffe://cluster.local/ns/b/sa/server",destination_service="unknown",destination_workload="server",destination_workload_namespace="b",reporter="destination",response_flags="-",source_principal="spiffe://cluster.local/ns/a/sa/client",source_workload="client",source_workload_namespace="a"} 1
-istio_tcp_connections_opened_total{connection_security_policy="mutual_tls",destination_principal="spiffe://cluster.local/ns/b/sa/server",destination_service="unknown",destination_workload="server",destination_workload_namespace="b",reporter="source",response_flags="-",source_principal="spiffe://cluster.local/ns/a/sa/client",source_workload="client",source_workload_namespace="a"} 1
-istio_tcp_connections_opened_total{connection_security_policy="none",destination_principal="unknown",destination_service="unknown",destination_workload="server",destination_workload_namespace="b",reporter="destination",response_flags="DENY",source_principal="unknown",source_workload="unknown",source_workload_namespace="unknown"} 1
+istio_tcp_connections_opened_total{connection_security_policy="mutual_tls",destination_app="server-app",destination_canonical_revision="v2",destination_canonical_service="server-app",destination_cluster="c1",destination_principal="spiffe://cluster.local/ns/b/sa/server",destination_service="unknown",destination_version="v2",destination_workload="server",destination_workload_namespace="b",reporter="destination",request_protocol="tcp",response_flags="-",source_app="client-app",source_canonical_revision="v1",source_canonical_service="client-app",source_cluster="c1",source_principal="spiffe://cluster.local/ns/a/sa/client",source_version="v1",source_workload="client",source_workload_namespace="a"} 1
+istio_tcp_connections_opened_total{connection_security_policy="mutual_tls",destination_app="server-app",destination_canonical_revision="v2",destination_canonical_service="server-app",destination_cluster="c1",destination_principal="spiffe://cluster.local/ns/b/sa/server",destination_service="unknown",destination_version="v2",destination_workload="server",destination_workload_namespace="b",reporter="source",request_protocol="tcp",response_flags="-",source_app="client-app",source_canonical_revision="v1",source_canonical_service="client-app",source_cluster="c1",source_principal="spiffe://cluster.local/ns/a/sa/client",source_version="v1",source_workload="client",source_workload_namespace="a"} 1
+istio_tcp_connections_opened_total{connection_security_policy="none",destination_app="unknown",destination_canonical_revision="unknown",destination_canonical_service="unknown",destination_cluster="unknown",destination_principal="unknown",destination_service="unknown",destination_version="unknown",destination_workload="server",destination_workload_namespace="b",reporter="destination",request_protocol="tcp",response_flags="DENY",source_app="unknown",source_canonical_revision="unknown",source_canonical_service="unknown",source_cluster="unknown",source_principal="unknown",source_version="unknown",source_workload="unknown",source_workload_namespace="unknown"} 1
 # HELP istio_tcp_connections_closed_total TCP connections closed (Istio standard metric).
 # TYPE istio_tcp_connections_closed_total counter
-istio_tcp_connections_closed_total{connection_security_policy="mutual_tls",destination_principal="spiffe://cluster.local/ns/b/sa/server",destination_service="unknown",destination_workload="server",destination_workload_namespace="b",reporter="source",response_flags="-",source_principal="spiffe://cluster.local/ns/a/sa/client",source_workload="client",source_workload_namespace="a"} 1
-istio_tcp_connections_closed_total{connection_security_policy="none",destination_principal="unknown",destination_service="unknown",destination_workload="server",destination_workload_namespace="b",reporter="destination",response_flags="DENY",source_principal="unknown",source_workload="unknown",source_workload_namespace="unknown"} 1
+istio_tcp_connections_closed_total{connection_security_policy="mutual_tls",destination_app="server-app",destination_canonical_revision="v2",destination_canonical_service="server-app",destination_cluster="c1",destination_principal="spiffe://cluster.local/ns/b/sa/server",destination_service="unknown",destination_version="v2",destination_workload="server",destination_workload_namespace="b",reporter="source",request_protocol="tcp",response_flags="-",source_app="client-app",source_canonical_revision="v1",source_canonical_service="client-app",source_cluster="c1",source_principal="spiffe://cluster.local/ns/a/sa/client",source_version="v1",source_workload="client",source_workload_namespace="a"} 1
+istio_tcp_connections_closed_total{connection_security_policy="none",destination_app="unknown",destination_canonical_revision="unknown",destination_canonical_service="unknown",destination_cluster="unknown",destination_principal="unknown",destination_service="unknown",destination_version="unknown",destination_workload="server",destination_workload_namespace="b",reporter="destination",request_protocol="tcp",response_flags="DENY",source_app="unknown",source_canonical_revision="unknown",source_canonical_service="unknown",source_cluster="unknown",source_principal="unknown",source_version="unknown",source_workload="unknown",source_workload_namespace="unknown"} 1
 # HELP istio_tcp_sent_bytes_total Bytes sent by the client, towards the destination (Istio standard metric).
 # TYPE istio_tcp_sent_bytes_total counter
-istio_tcp_sent_bytes_total{connection_security_policy="mutual_tls",destination_principal="spiffe://cluster.local/ns/b/sa/server",destination_service="unknown",destination_workload="server",destination_workload_namespace="b",reporter="source",response_flags="-",source_principal="spiffe://cluster.local/ns/a/sa/client",source_workload="client",source_workload_namespace="a"} 1024
+istio_tcp_sent_bytes_total{connection_security_policy="mutual_tls",destination_app="server-app",destination_canonical_revision="v2",destination_canonical_service="server-app",destination_cluster="c1",destination_principal="spiffe://cluster.local/ns/b/sa/server",destination_service="unknown",destination_version="v2",destination_workload="server",destination_workload_namespace="b",reporter="source",request_protocol="tcp",response_flags="-",source_app="client-app",source_canonical_revision="v1",source_canonical_service="client-app",source_cluster="c1",source_principal="spiffe://cluster.local/ns/a/sa/client",source_version="v1",source_workload="client",source_workload_namespace="a"} 1024
 # HELP istio_tcp_received_bytes_total Bytes received by the client, from the destination (Istio standard metric).
 # TYPE istio_tcp_received_bytes_total counter
-istio_tcp_received_bytes_total{connection_security_policy="mutual_tls",destination_principal="spiffe://cluster.local/ns/b/sa/server",destination_service="unknown",destination_workload="server",destination_workload_namespace="b",reporter="source",response_flags="-",source_principal="spiffe://cluster.local/ns/a/sa/client",source_workload="client",source_workload_namespace="a"} 250
+istio_tcp_received_bytes_total{connection_security_policy="mutual_tls",destination_app="server-app",destination_canonical_revision="v2",destination_canonical_service="server-app",destination_cluster="c1",destination_principal="spiffe://cluster.local/ns/b/sa/server",destination_service="unknown",destination_version="v2",destination_workload="server",destination_workload_namespace="b",reporter="source",request_protocol="tcp",response_flags="-",source_app="client-app",source_canonical_revision="v1",source_canonical_service="client-app",source_cluster="c1",source_principal="spiffe://cluster.local/ns/a/sa/client",source_version="v1",source_workload="client",source_workload_namespace="a"} 250
 `
 	if err := gatherAndCompare(m.Registry, want,
 		"istio_tcp_connections_opened_total", "istio_tcp_connections_closed_total",

@@ -137,7 +137,24 @@ type certificateDump struct {
 	Expiry   time.Time `json:"expiry"`
 }
 
+// configDump answers /config_dump: meshtun's shape, or ztunnel's with
+// ?format=ztunnel (see ztunnel_dump.go). Config.ConfigDumpFormat picks the
+// shape served without the parameter, so that tools that fetch ztunnel's
+// /config_dump as it is read meshtun's unchanged.
 func (n *node) configDump(w http.ResponseWriter, r *http.Request) {
+	format := r.URL.Query().Get("format")
+	if format == "" {
+		format = n.cfg.ConfigDumpFormat
+	}
+	switch format {
+	case "ztunnel":
+		n.writeZtunnelDump(w)
+		return
+	case "", "meshtun":
+	default:
+		http.Error(w, fmt.Sprintf("format %q: want meshtun or ztunnel", format), http.StatusBadRequest)
+		return
+	}
 	snap := n.reg.Load()
 	d := configDump{Node: n.cfg.Name, TrustDomain: snap.TrustDomain.String(), Ready: n.ready.Load(),
 		Policies: snap.Policies, Workloads: []workloadDump{}, Services: []serviceDump{}, Certificates: []certificateDump{}}

@@ -86,6 +86,10 @@ type Config struct {
 	// AdminAddr is where the admin HTTP server listens (/config_dump,
 	// /logging, /debug/pprof/); empty disables it. Keep it on loopback.
 	AdminAddr string
+	// ConfigDumpFormat is the shape /config_dump has without ?format=:
+	// "meshtun" (the default, when empty) or "ztunnel" (ztunnel's JSON,
+	// for tools that read ztunnel's admin endpoint).
+	ConfigDumpFormat string
 	// MetricsAddr serves /metrics (Prometheus); ReadinessAddr serves
 	// /healthz/ready. Empty disables them.
 	MetricsAddr, ReadinessAddr string

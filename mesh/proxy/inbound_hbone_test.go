@@ -259,9 +259,9 @@ func (e *inboundEnv) lastRecord(t *testing.T) map[string]any {
 func (e *inboundEnv) opened(t *testing.T, flags string) float64 {
 	t.Helper()
 	c := metrics.Conn{
-		Reporter:    "destination",
-		SrcWorkload: "client", SrcNamespace: "a", SrcPrincipal: e.client.String(),
-		DstWorkload: "server", DstNamespace: "b", DstPrincipal: e.server.String(),
+		Reporter:       "destination",
+		Src:            metrics.Peer{Workload: "client", Namespace: "a", Principal: e.client.String()},
+		Dst:            metrics.Peer{Workload: "server", Namespace: "b", Principal: e.server.String()},
 		SecurityPolicy: "mutual_tls", ResponseFlags: flags,
 	}
 	return counterValue(t, e.metrics, "istio_tcp_connections_opened_total", &c)
@@ -384,9 +384,9 @@ func counterValue(t *testing.T, m *metrics.Metrics, name string, c *metrics.Conn
 		t.Fatal(err)
 	}
 	want := map[string]string{
-		"reporter": c.Reporter, "source_workload": c.SrcWorkload, "source_workload_namespace": c.SrcNamespace,
-		"source_principal": c.SrcPrincipal, "destination_workload": c.DstWorkload,
-		"destination_workload_namespace": c.DstNamespace, "destination_principal": c.DstPrincipal,
+		"reporter": c.Reporter, "source_workload": c.Src.Workload, "source_workload_namespace": c.Src.Namespace,
+		"source_principal": c.Src.Principal, "destination_workload": c.Dst.Workload,
+		"destination_workload_namespace": c.Dst.Namespace, "destination_principal": c.Dst.Principal,
 		"destination_service": c.DstService, "connection_security_policy": c.SecurityPolicy, "response_flags": c.ResponseFlags,
 	}
 	for k, v := range want {
@@ -401,7 +401,7 @@ func counterValue(t *testing.T, m *metrics.Metrics, name string, c *metrics.Conn
 	metric:
 		for _, mt := range f.GetMetric() {
 			for _, l := range mt.GetLabel() {
-				if want[l.GetName()] != l.GetValue() {
+				if v, ok := want[l.GetName()]; ok && v != l.GetValue() {
 					continue metric
 				}
 			}

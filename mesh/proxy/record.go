@@ -97,20 +97,27 @@ func workloadFields(ev *zerolog.Event, side string, w *registry.Workload) {
 }
 
 func (r *record) labels(reporter, flags string) metrics.Conn {
-	c := metrics.Conn{Reporter: reporter, SrcPrincipal: r.srcID, DstService: r.service, ResponseFlags: flags, SecurityPolicy: "none"}
+	c := metrics.Conn{Reporter: reporter, DstService: r.service, ResponseFlags: flags, SecurityPolicy: "none"}
 	if r.secure {
 		c.SecurityPolicy = "mutual_tls"
 	}
-	if w := r.srcW; w != nil {
-		c.SrcWorkload, c.SrcNamespace = w.Name, w.Namespace
-	}
-	if w := r.dstW; w != nil {
-		c.DstWorkload, c.DstNamespace = w.Name, w.Namespace
-		if w.InMesh {
-			c.DstPrincipal = w.Identity.String()
-		}
+	c.Src, c.Dst = peer(r.srcW), peer(r.dstW)
+	c.Src.Principal = r.srcID
+	if w := r.dstW; w == nil || !w.InMesh {
+		c.Dst.Principal = ""
 	}
 	return c
+}
+
+// peer is a workload's metric labels, with istiod's names when the model
+// has them.
+func peer(w *registry.Workload) metrics.Peer {
+	if w == nil {
+		return metrics.Peer{}
+	}
+	svc, rev := w.Canonical()
+	return metrics.Peer{Workload: w.Workload(), Namespace: w.Namespace, Principal: w.Identity.String(),
+		CanonicalService: svc, CanonicalRevision: rev, Cluster: w.Cluster}
 }
 
 // refused reports a connection refused before it opened.

@@ -87,11 +87,61 @@ type Workload struct {
 	// filled in by NewSnapshot.
 	Identity spiffeid.ID
 
+	// What istiod's model says about the workload (empty from sources
+	// that do not know it): its unique id, the name and kind of the
+	// object that owns it (a Deployment "web" for pod "web-5d4f-x2x"),
+	// its canonical service and revision (Istio's service.istio.io/
+	// canonical-name and -revision, defaulted from the app and version
+	// labels), and its cluster. Telemetry and /config_dump report them.
+	UID, WorkloadName, WorkloadType           string
+	CanonicalName, CanonicalRevision, Cluster string
+
 	authz policy.Set // the policies that apply to the workload; set by Build
 }
 
 // String returns namespace/name.
 func (w *Workload) String() string { return w.Namespace + "/" + w.Name }
+
+// Workload returns the name Istio's telemetry reports for the workload:
+// the owning object's (WorkloadName) when known, else the workload's own.
+func (w *Workload) Workload() string {
+	if w.WorkloadName != "" {
+		return w.WorkloadName
+	}
+	return w.Name
+}
+
+// Canonical returns the workload's canonical service and revision as
+// Istio derives them: istiod's values when the source gave them, else
+// from the labels service.istio.io/canonical-name, app.kubernetes.io/name
+// or app (falling back to the workload's name), and
+// service.istio.io/canonical-revision, app.kubernetes.io/version or
+// version (falling back to "latest").
+func (w *Workload) Canonical() (service, revision string) {
+	service, revision = w.CanonicalName, w.CanonicalRevision
+	if service == "" {
+		service = firstLabel(w.Labels, "service.istio.io/canonical-name", "app.kubernetes.io/name", "app")
+		if service == "" {
+			service = w.Workload()
+		}
+	}
+	if revision == "" {
+		revision = firstLabel(w.Labels, "service.istio.io/canonical-revision", "app.kubernetes.io/version", "version")
+		if revision == "" {
+			revision = "latest"
+		}
+	}
+	return service, revision
+}
+
+func firstLabel(labels map[string]string, keys ...string) string {
+	for _, k := range keys {
+		if v := labels[k]; v != "" {
+			return v
+		}
+	}
+	return ""
+}
 
 // Addr returns the workload's first address of the family of like (IPv4
 // or IPv6), or false if it has none.

@@ -635,3 +635,22 @@ func TestPortPeerAuth(t *testing.T) {
 		}
 	}
 }
+
+// Canonical and Workload give istiod's values when set, and otherwise
+// derive them from the labels as Istio does.
+func TestCanonical(t *testing.T) {
+	for _, tc := range []struct {
+		w            Workload
+		wl, svc, rev string
+	}{
+		{Workload{Name: "p", WorkloadName: "d", CanonicalName: "c", CanonicalRevision: "r", Labels: map[string]string{"app": "a"}}, "d", "c", "r"},
+		{Workload{Name: "p", Labels: map[string]string{"app": "a", "version": "v1"}}, "p", "a", "v1"},
+		{Workload{Name: "p", Labels: map[string]string{"app": "a", "app.kubernetes.io/name": "k", "service.istio.io/canonical-revision": "cr"}}, "p", "k", "cr"},
+		{Workload{Name: "p", WorkloadName: "d"}, "d", "d", "latest"},
+	} {
+		svc, rev := tc.w.Canonical()
+		if got := tc.w.Workload(); got != tc.wl || svc != tc.svc || rev != tc.rev {
+			t.Errorf("%+v: workload %q canonical %q/%q, want %q %q/%q", tc.w, got, svc, rev, tc.wl, tc.svc, tc.rev)
+		}
+	}
+}

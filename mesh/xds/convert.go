@@ -82,6 +82,8 @@ func (c *converter) workload(in *workloadapi.Workload) (*workload, error) {
 		Name: in.Name, Namespace: in.Namespace, ServiceAccount: in.ServiceAccount, Node: in.Node,
 		InMesh:   in.TunnelProtocol == workloadapi.TunnelProtocol_HBONE,
 		PeerAuth: c.peer,
+		UID:      in.Uid, WorkloadName: in.WorkloadName, WorkloadType: workloadType(in.WorkloadType),
+		CanonicalName: in.CanonicalName, CanonicalRevision: in.CanonicalRevision, Cluster: in.ClusterId,
 	}
 	if in.TunnelProtocol == workloadapi.TunnelProtocol_LEGACY_ISTIO_MTLS {
 		return nil, fmt.Errorf("workload %s/%s uses tunnel protocol LEGACY_ISTIO_MTLS (a sidecar's mTLS), which meshtun does not speak", in.Namespace, in.Name)
@@ -465,4 +467,10 @@ func extNames(es []*workloadapi.Extension) string {
 		names[i] = e.Name
 	}
 	return strings.Join(names, ", ")
+}
+
+// workloadType names a WDS workload type as ztunnel reports it
+// ("deployment", "cronjob", "pod", "job").
+func workloadType(t workloadapi.WorkloadType) string {
+	return strings.ToLower(t.String())
 }

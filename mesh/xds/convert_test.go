@@ -8,6 +8,7 @@ import (
 	discoveryv3 "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"google.golang.org/protobuf/types/known/anypb"
+	"istio.io/istio/pkg/workloadapi"
 	"istio.io/istio/pkg/workloadapi/security"
 
 	"github.com/meshtun/meshtun/mesh/policy"
@@ -113,5 +114,25 @@ func TestUnappliablePolicyFailsClosed(t *testing.T) {
 	r := &policy.Request{Peer: spiffeid.RequireFromString("spiffe://cluster.local/ns/b/sa/x"), Source: netip.MustParseAddr("10.9.0.1"), Dest: netip.MustParseAddrPort("10.0.0.1:8080")}
 	if d := snap.Authorize(r); d.Allowed {
 		t.Errorf("a connection the unappliable DENY policy might cover is allowed: %v", d)
+	}
+}
+
+// istiod's names for a workload (its owner, canonical service and
+// revision, uid, cluster) reach the registry, for telemetry and
+// /config_dump.
+func TestWorkloadKeepsIstiodNames(t *testing.T) {
+	c := &converter{td: spiffeid.RequireTrustDomainFromString("cluster.local"), root: "istio-system"}
+	in := wl("ns", "web-5d4f-x2x", "10.0.0.1", "n1").GetWorkload()
+	in.WorkloadName, in.WorkloadType = "web", workloadapi.WorkloadType_DEPLOYMENT
+	in.CanonicalName, in.CanonicalRevision, in.ClusterId = "web-svc", "v2", "Kubernetes"
+	out, err := c.workload(in)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := out.w
+	if w.UID != "Kubernetes//Pod/ns/web-5d4f-x2x" || w.WorkloadName != "web" || w.WorkloadType != "deployment" ||
+		w.CanonicalName != "web-svc" || w.CanonicalRevision != "v2" || w.Cluster != "Kubernetes" {
+		t.Errorf("converted workload = uid %q name %q type %q canonical %q/%q cluster %q",
+			w.UID, w.WorkloadName, w.WorkloadType, w.CanonicalName, w.CanonicalRevision, w.Cluster)
 	}
 }

@@ -5,7 +5,9 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"errors"
+	"io"
 	"net"
+	"net/http"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -238,7 +240,7 @@ func TestIstiod(t *testing.T) {
 	p21, p22 := n2.Pods[0], n2.Pods[1]
 	k := kubelet{t: t, cs: cp.Admin}
 	k.namespace("apps", true)
-	k.run(p11, "apps", "client", "client", map[string]string{"app": "client"})
+	k.run(p11, "apps", "client", "client", map[string]string{"app": "client", "version": "v1"})
 	k.run(p21, "apps", "server", "server", map[string]string{"app": "server"})
 	echo(t, p21, 8080)
 	echo(t, p22, 8080)
@@ -305,6 +307,55 @@ func TestIstiod(t *testing.T) {
 			in := waitLog(t, m2, 0, "inbound access log", accessLine(netip.MustParseAddrPort(out.Str("src.addr"))))
 			wantField(t, in, "direction", "inbound")
 			wantField(t, in, "src.identity", spiffe("apps", "client"))
+		}
+	})
+
+	t.Run("ztunnel's config_dump shape and metric labels carry istiod's names", func(t *testing.T) {
+		// WDS carries no pod labels: the canonical revision ("v1", from
+		// the client's version label) can only have come from istiod.
+		var dump struct {
+			Workloads []struct {
+				Name, Namespace, CanonicalName, CanonicalRevision, WorkloadName, Protocol string
+			}
+			Certificates []struct{ Identity, State string }
+		}
+		getJSON(t, n1, "http://127.0.0.1:15000/config_dump?format=ztunnel", &dump)
+		found := false
+		for _, w := range dump.Workloads {
+			if w.Namespace == "apps" && w.Name == "client" {
+				found = true
+				if w.CanonicalName != "client" || w.CanonicalRevision != "v1" || w.WorkloadName != "client" || w.Protocol != "HBONE" {
+					t.Errorf("ztunnel config_dump workload apps/client = %+v, want canonical client/v1, workload client, HBONE", w)
+				}
+			}
+		}
+		if !found {
+			t.Errorf("ztunnel config_dump of node 1 has no workload apps/client: %+v", dump.Workloads)
+		}
+		if len(dump.Certificates) == 0 || dump.Certificates[0].State != "Available" {
+			t.Errorf("ztunnel config_dump certificates = %+v, want node 1's pod's, Available", dump.Certificates)
+		}
+		hc := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DialContext: n1.Dial}}
+		resp, err := hc.Get("http://127.0.0.1:15020/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, err := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		ok := false
+		for _, l := range strings.Split(string(body), "\n") {
+			if strings.HasPrefix(l, "istio_tcp_connections_opened_total{") && strings.Contains(l, `reporter="source"`) &&
+				strings.Contains(l, `source_canonical_service="client"`) && strings.Contains(l, `source_canonical_revision="v1"`) &&
+				strings.Contains(l, `destination_canonical_service="server"`) &&
+				strings.Contains(l, `source_cluster="Kubernetes"`) {
+				ok = true
+			}
+		}
+		if !ok {
+			t.Errorf("no istio_tcp_connections_opened_total series of node 1 with istiod's canonical services client -> server and cluster:\n%s", body)
 		}
 	})
 

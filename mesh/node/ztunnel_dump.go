@@ -1,0 +1,251 @@
+package node
+
+import (
+	"crypto/x509"
+	"encoding/base64"
+	"encoding/json"
+	"encoding/pem"
+	"net/http"
+	"net/netip"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+
+	"github.com/meshtun/meshtun/mesh/identity"
+	"github.com/meshtun/meshtun/mesh/policy"
+	"github.com/meshtun/meshtun/mesh/registry"
+)
+
+// The ztunnel shape of /config_dump (/config_dump?format=ztunnel): the
+// JSON ztunnel's admin server writes, with its field names, so that tools
+// written against ztunnel's admin endpoint (istioctl ztunnel-config, and
+// scripts reading workloads, services, policies and certificates) read
+// meshtun's. These are meshtun's own types, filled from the registry
+// snapshot and the identity source; fields meshtun has no value for are
+// left out, as ztunnel leaves out its defaults.
+
+// ztDump is the top level: ztunnel's proxy state (workloads, services,
+// policies) and its certificates.
+type ztDump struct {
+	Workloads    []ztWorkload `json:"workloads"`
+	Services     []ztService  `json:"services"`
+	Policies     []ztPolicy   `json:"policies"`
+	Certificates []ztCerts    `json:"certificates"`
+}
+
+type ztWorkload struct {
+	UID                   string       `json:"uid,omitempty"`
+	WorkloadIPs           []netip.Addr `json:"workloadIps"`
+	Protocol              string       `json:"protocol"`
+	NetworkMode           string       `json:"networkMode"`
+	Name                  string       `json:"name"`
+	Namespace             string       `json:"namespace"`
+	TrustDomain           string       `json:"trustDomain,omitempty"`
+	ServiceAccount        string       `json:"serviceAccount,omitempty"`
+	WorkloadName          string       `json:"workloadName,omitempty"`
+	WorkloadType          string       `json:"workloadType,omitempty"`
+	CanonicalName         string       `json:"canonicalName,omitempty"`
+	CanonicalRevision     string       `json:"canonicalRevision,omitempty"`
+	Node                  string       `json:"node,omitempty"`
+	AuthorizationPolicies []string     `json:"authorizationPolicies,omitempty"`
+	Status                string       `json:"status"`
+	ClusterID             string       `json:"clusterId"`
+	Services              []string     `json:"services,omitempty"`
+	Capacity              int          `json:"capacity"`
+}
+
+type ztService struct {
+	Name      string `json:"name"`
+	Namespace string `json:"namespace"`
+	Hostname  string `json:"hostname"`
+	// VIPs are "network/address", as ztunnel writes them.
+	VIPs []string `json:"vips"`
+	// Ports maps each service port to its target port (0: the
+	// endpoint's own).
+	Ports map[string]uint16 `json:"ports"`
+	// Endpoints are keyed by workload uid.
+	Endpoints map[string]ztEndpoint `json:"endpoints"`
+	// SubjectAltNames are the identities of the endpoints.
+	SubjectAltNames []string `json:"subjectAltNames,omitempty"`
+	IPFamilies      string   `json:"ipFamilies,omitempty"`
+}
+
+type ztEndpoint struct {
+	WorkloadUID string            `json:"workloadUid"`
+	Service     string            `json:"service"`
+	Port        map[string]uint16 `json:"port"`
+}
+
+// ztPolicy carries ztunnel's policy header; its rules are meshtun's
+// (from, to, when), not ztunnel's nested match lists.
+type ztPolicy struct {
+	Name      string        `json:"name"`
+	Namespace string        `json:"namespace"`
+	Scope     string        `json:"scope"`
+	Action    string        `json:"action"`
+	Rules     []policy.Rule `json:"rules"`
+	DryRun    bool          `json:"dryRun"`
+}
+
+// ztCerts and ztCert keep ztunnel's snake_case names for certificates
+// (its certificate dump is not renamed to camelCase).
+type ztCerts struct {
+	Identity  string   `json:"identity"`
+	State     string   `json:"state"`
+	CACert    []ztCert `json:"ca_cert"`
+	CertChain []ztCert `json:"cert_chain"`
+}
+
+type ztCert struct {
+	// PEM is the base64 of the PEM text, as ztunnel writes it.
+	PEM            string `json:"pem"`
+	SerialNumber   string `json:"serial_number"`
+	ValidFrom      string `json:"valid_from"`
+	ExpirationTime string `json:"expiration_time"`
+}
+
+// ztUID is a workload's uid: istiod's, or one of the same form.
+func ztUID(w *registry.Workload) string {
+	if w.UID != "" {
+		return w.UID
+	}
+	return w.Cluster + "//Pod/" + w.Namespace + "/" + w.Name
+}
+
+// ztunnelDump renders the snapshot and the certificates in ztunnel's shape.
+func ztunnelDump(snap *registry.Snapshot, svids *identity.Source) ztDump {
+	d := ztDump{Workloads: []ztWorkload{}, Services: []ztService{}, Policies: []ztPolicy{}, Certificates: []ztCerts{}}
+	svcsOf := map[*registry.Workload][]string{}
+	for _, s := range snap.Services {
+		key := s.Namespace + "/" + s.Hostname
+		zs := ztService{Name: s.Name, Namespace: s.Namespace, Hostname: s.Hostname, VIPs: []string{},
+			Ports: map[string]uint16{}, Endpoints: map[string]ztEndpoint{}}
+		ports := map[string]uint16{}
+		for _, p := range s.Ports {
+			ports[strconv.Itoa(int(p.Port))] = p.TargetPort
+			zs.Ports[strconv.Itoa(int(p.Port))] = p.TargetPort
+		}
+		var v4, v6 bool
+		for _, vip := range s.VIPs {
+			zs.VIPs = append(zs.VIPs, "/"+vip.String())
+			v4, v6 = v4 || vip.Is4(), v6 || !vip.Is4()
+			for _, ep := range s.Endpoints(vip) {
+				uid := ztUID(ep.Workload)
+				if _, seen := zs.Endpoints[uid]; seen {
+					continue
+				}
+				zs.Endpoints[uid] = ztEndpoint{WorkloadUID: uid, Service: key, Port: ports}
+				svcsOf[ep.Workload] = append(svcsOf[ep.Workload], key)
+				if ep.Workload.InMesh {
+					zs.SubjectAltNames = append(zs.SubjectAltNames, ep.Workload.Identity.String())
+				}
+			}
+		}
+		slices.Sort(zs.SubjectAltNames)
+		zs.SubjectAltNames = slices.Compact(zs.SubjectAltNames)
+		switch {
+		case v4 && v6:
+			zs.IPFamilies = "Dual"
+		case v4:
+			zs.IPFamilies = "IPv4"
+		case v6:
+			zs.IPFamilies = "IPv6"
+		}
+		d.Services = append(d.Services, zs)
+	}
+	for _, w := range snap.Workloads {
+		zw := ztWorkload{UID: ztUID(w), WorkloadIPs: w.Addresses, Protocol: "TCP", NetworkMode: "Standard",
+			Name: w.Name, Namespace: w.Namespace, ServiceAccount: w.ServiceAccount,
+			WorkloadName: w.WorkloadName, WorkloadType: w.WorkloadType, Node: w.Node,
+			Status: "Healthy", ClusterID: w.Cluster, Services: svcsOf[w], Capacity: 1}
+		zw.CanonicalName, zw.CanonicalRevision = w.Canonical()
+		if zw.WorkloadIPs == nil {
+			zw.WorkloadIPs = []netip.Addr{}
+		}
+		if w.InMesh {
+			zw.Protocol = "HBONE"
+			zw.TrustDomain = w.Identity.TrustDomain().Name()
+		}
+		if w.Health == registry.Unhealthy {
+			zw.Status = "Unhealthy"
+		}
+		deny, allow, _ := w.Policies()
+		for _, p := range append(slices.Clone(deny), allow...) {
+			zw.AuthorizationPolicies = append(zw.AuthorizationPolicies, p.Namespace+"/"+p.Name)
+		}
+		d.Workloads = append(d.Workloads, zw)
+	}
+	for _, p := range snap.Policies {
+		zp := ztPolicy{Name: p.Name, Namespace: p.Namespace, Scope: "Namespace", Action: ztAction(p.Action), Rules: p.Rules}
+		switch {
+		case len(p.Selector) > 0:
+			zp.Scope = "WorkloadSelector"
+		case p.Namespace == snap.RootNamespace:
+			zp.Scope = "Global"
+		}
+		if zp.Rules == nil {
+			zp.Rules = []policy.Rule{}
+		}
+		d.Policies = append(d.Policies, zp)
+	}
+	if svids != nil {
+		var roots []*x509.Certificate
+		if b, err := svids.GetX509BundleForTrustDomain(snap.TrustDomain); err == nil {
+			roots = b.X509Authorities()
+		}
+		for _, id := range svids.IDs() {
+			d.Certificates = append(d.Certificates, ztCertsOf(id, svids, roots))
+		}
+	}
+	return d
+}
+
+func ztAction(a policy.Action) string {
+	s := strings.ToLower(a.String())
+	if s == "" {
+		return s
+	}
+	return strings.ToUpper(s[:1]) + s[1:]
+}
+
+// ztCertsOf is the certificate state of one local identity: Available
+// with its chain, Initializing while the first is being issued, or
+// Unavailable with the reason.
+func ztCertsOf(id spiffeid.ID, svids *identity.Source, roots []*x509.Certificate) ztCerts {
+	c := ztCerts{Identity: id.String(), CACert: []ztCert{}, CertChain: []ztCert{}}
+	svid, err := svids.SVID(id)
+	switch {
+	case err != nil && strings.Contains(err.Error(), "still being issued"):
+		c.State = "Initializing"
+		return c
+	case err != nil:
+		c.State = "Unavailable: " + err.Error()
+		return c
+	}
+	c.State = "Available"
+	for _, cert := range svid.Certificates {
+		c.CertChain = append(c.CertChain, ztCertOf(cert))
+	}
+	for _, cert := range roots {
+		c.CACert = append(c.CACert, ztCertOf(cert))
+	}
+	return c
+}
+
+func ztCertOf(c *x509.Certificate) ztCert {
+	p := pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: c.Raw})
+	return ztCert{PEM: base64.StdEncoding.EncodeToString(p), SerialNumber: c.SerialNumber.String(),
+		ValidFrom: c.NotBefore.UTC().Format(time.RFC3339), ExpirationTime: c.NotAfter.UTC().Format(time.RFC3339)}
+}
+
+// writeZtunnelDump answers /config_dump in ztunnel's shape.
+func (n *node) writeZtunnelDump(w http.ResponseWriter) {
+	d := ztunnelDump(n.reg.Load(), n.svids)
+	w.Header().Set("Content-Type", "application/json")
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	enc.Encode(d)
+}

@@ -1,0 +1,149 @@
+package node
+
+import (
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"encoding/pem"
+	"net/http"
+	"net/http/httptest"
+	"net/netip"
+	"testing"
+	"time"
+
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+
+	"github.com/meshtun/meshtun/mesh/identity"
+	"github.com/meshtun/meshtun/mesh/policy"
+	"github.com/meshtun/meshtun/mesh/registry"
+)
+
+// TestConfigDumpZtunnelShape: /config_dump?format=ztunnel has ztunnel's
+// top-level keys and field names, with the values of the registry
+// snapshot (istiod's workload name, canonical service and revision) and
+// the node's certificates; ConfigDumpFormat makes it the default.
+func TestConfigDumpZtunnelShape(t *testing.T) {
+	td := spiffeid.RequireTrustDomainFromString("cluster.local")
+	deny, err := policy.New(policy.Policy{Name: "no", Namespace: "ns", Action: policy.Deny, Selector: map[string]string{"app": "web"},
+		Rules: []policy.Rule{{To: []policy.Operation{{Ports: []uint16{9}}}}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	snap, err := registry.Build(registry.Model{TrustDomain: td, Policies: []*policy.Policy{deny},
+		Workloads: []*registry.Workload{{
+			Name: "web-5d4f-x2x", Namespace: "ns", ServiceAccount: "web", Node: "n1", InMesh: true,
+			Addresses: []netip.Addr{netip.MustParseAddr("10.0.0.1")}, Labels: map[string]string{"app": "web"},
+			UID: "Kubernetes//Pod/ns/web-5d4f-x2x", WorkloadName: "web", WorkloadType: "deployment",
+			CanonicalName: "web-canonical", CanonicalRevision: "v7", Cluster: "Kubernetes",
+		}},
+		Services: []*registry.Service{{Name: "web", Namespace: "ns", VIPs: []netip.Addr{netip.MustParseAddr("10.96.0.1")},
+			Ports: []registry.ServicePort{{Port: 80, TargetPort: 8080}}, Selector: map[string]string{"app": "web"}}},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ca, err := identity.OpenCA(identity.CAConfig{Dir: t.TempDir(), TrustDomain: td, SVIDTTL: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	src, err := identity.NewSource(identity.SourceConfig{Issuer: ca, Bundle: ca.Bundle(), TrustDomain: td})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer src.Close()
+	id := spiffeid.RequireFromString("spiffe://cluster.local/ns/ns/sa/web")
+	if err := src.Add(context.Background(), id); err != nil {
+		t.Fatal(err)
+	}
+	n := &node{reg: registry.New(snap), svids: src}
+
+	get := func(target string) map[string]any {
+		t.Helper()
+		rec := httptest.NewRecorder()
+		n.configDump(rec, httptest.NewRequest(http.MethodGet, target, nil))
+		if rec.Code != http.StatusOK {
+			t.Fatalf("%s: %d %s", target, rec.Code, rec.Body)
+		}
+		var d map[string]any
+		if err := json.Unmarshal(rec.Body.Bytes(), &d); err != nil {
+			t.Fatal(err)
+		}
+		return d
+	}
+	d := get("/config_dump?format=ztunnel")
+	for _, k := range []string{"workloads", "services", "policies", "certificates"} {
+		if _, ok := d[k].([]any); !ok {
+			t.Errorf("no %q list in %v", k, d)
+		}
+	}
+	if _, ok := d["trustDomain"]; ok {
+		t.Error("the ztunnel shape carries meshtun's own keys")
+	}
+	w := d["workloads"].([]any)[0].(map[string]any)
+	for k, want := range map[string]any{
+		"uid": "Kubernetes//Pod/ns/web-5d4f-x2x", "name": "web-5d4f-x2x", "namespace": "ns", "serviceAccount": "web",
+		"workloadName": "web", "workloadType": "deployment", "canonicalName": "web-canonical", "canonicalRevision": "v7",
+		"node": "n1", "protocol": "HBONE", "status": "Healthy", "clusterId": "Kubernetes", "trustDomain": "cluster.local",
+	} {
+		if w[k] != want {
+			t.Errorf("workload %s = %v, want %v", k, w[k], want)
+		}
+	}
+	if ips, _ := w["workloadIps"].([]any); len(ips) != 1 || ips[0] != "10.0.0.1" {
+		t.Errorf("workloadIps = %v", w["workloadIps"])
+	}
+	if svcs, _ := w["services"].([]any); len(svcs) != 1 || svcs[0] != "ns/web.ns.svc.cluster.local" {
+		t.Errorf("workload services = %v", w["services"])
+	}
+	if ps, _ := w["authorizationPolicies"].([]any); len(ps) != 1 || ps[0] != "ns/no" {
+		t.Errorf("workload authorizationPolicies = %v", w["authorizationPolicies"])
+	}
+	s := d["services"].([]any)[0].(map[string]any)
+	if s["hostname"] != "web.ns.svc.cluster.local" || s["ports"].(map[string]any)["80"] != 8080.0 {
+		t.Errorf("service = %v", s)
+	}
+	if ep, ok := s["endpoints"].(map[string]any)["Kubernetes//Pod/ns/web-5d4f-x2x"].(map[string]any); !ok || ep["service"] != "ns/web.ns.svc.cluster.local" {
+		t.Errorf("service endpoints = %v", s["endpoints"])
+	}
+	p := d["policies"].([]any)[0].(map[string]any)
+	if p["name"] != "no" || p["scope"] != "WorkloadSelector" || p["action"] != "Deny" {
+		t.Errorf("policy = %v", p)
+	}
+	c := d["certificates"].([]any)[0].(map[string]any)
+	if c["identity"] != id.String() || c["state"] != "Available" {
+		t.Errorf("certificate = %v", c)
+	}
+	chain, _ := c["cert_chain"].([]any)
+	if len(chain) == 0 {
+		t.Fatalf("no cert_chain in %v", c)
+	}
+	leaf := chain[0].(map[string]any)
+	raw, err := base64.StdEncoding.DecodeString(leaf["pem"].(string))
+	if b, _ := pem.Decode(raw); err != nil || b == nil || b.Type != "CERTIFICATE" {
+		t.Errorf("cert_chain[0].pem is not base64 of a PEM certificate: %v", err)
+	}
+	if exp, err := time.Parse(time.RFC3339, leaf["expiration_time"].(string)); err != nil || exp.Before(time.Now()) {
+		t.Errorf("expiration_time %v: %v", leaf["expiration_time"], err)
+	}
+	if _, err := time.Parse(time.RFC3339, leaf["valid_from"].(string)); err != nil {
+		t.Errorf("valid_from: %v", err)
+	}
+
+	// The default stays meshtun's shape, unless the node is configured
+	// for ztunnel's; a format it does not know is refused.
+	if _, ok := get("/config_dump")["trustDomain"]; !ok {
+		t.Error("/config_dump without format is not meshtun's shape")
+	}
+	n.cfg.ConfigDumpFormat = "ztunnel"
+	if _, ok := get("/config_dump")["workloads"].([]any)[0].(map[string]any)["workloadIps"]; !ok {
+		t.Error("/config_dump with ConfigDumpFormat ztunnel is not ztunnel's shape")
+	}
+	if _, ok := get("/config_dump?format=meshtun")["trustDomain"]; !ok {
+		t.Error("?format=meshtun is not meshtun's shape")
+	}
+	rec := httptest.NewRecorder()
+	n.configDump(rec, httptest.NewRequest(http.MethodGet, "/config_dump?format=envoy", nil))
+	if rec.Code != http.StatusBadRequest {
+		t.Errorf("?format=envoy: %d, want 400", rec.Code)
+	}
+}
