@@ -2,11 +2,9 @@ package proxy
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net"
 	"net/netip"
-	"time"
 
 	"github.com/meshtun/meshtun/protocols/hbone"
 )
@@ -19,31 +17,7 @@ import (
 // workload's port 15008 (the node's own address, a pod that left the
 // mesh) is reset before any TLS byte, and logged as refused.
 func (p *Proxy) ServeHBONE(ctx context.Context, ln net.Listener) error {
-	stop := context.AfterFunc(ctx, func() { ln.Close() })
-	defer stop()
-	var delay time.Duration
-	for {
-		c, err := ln.Accept()
-		if err != nil {
-			if ctx.Err() != nil {
-				return nil
-			}
-			var ne net.Error
-			if errors.As(err, &ne) && ne.Timeout() {
-				delay = min(max(2*delay, 5*time.Millisecond), time.Second)
-				p.log.Warn().Err(err).Dur("retry_in", delay).Msg("HBONE: accept failed")
-				select {
-				case <-time.After(delay):
-					continue
-				case <-ctx.Done():
-					return nil
-				}
-			}
-			return fmt.Errorf("proxy: accept HBONE on %s: %w", ln.Addr(), err)
-		}
-		delay = 0
-		p.serveKernelConn(c)
-	}
+	return hbone.AcceptLoop(ctx, ln, p.log, p.serveKernelConn)
 }
 
 // serveKernelConn checks the address c was sent to and serves it.

@@ -236,6 +236,15 @@ func (s *Server) PeerLoad(peer spiffeid.ID) (streams, connecting int) {
 // ctx ends, which closes ln and every connection. It returns nil after ctx
 // ended, or the error that stopped accepting.
 func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
+	return AcceptLoop(ctx, ln, s.log, func(c net.Conn) { go s.ServeConn(ctx, c) })
+}
+
+// AcceptLoop accepts connections from ln and hands each to serve, on the
+// accepting goroutine, until ctx ends, which closes ln. A temporary accept
+// error (a timeout, e.g. out of descriptors) is logged and retried with a
+// backoff of up to 1 s. It returns nil after ctx ended, or the error that
+// stopped accepting.
+func AcceptLoop(ctx context.Context, ln net.Listener, log zerolog.Logger, serve func(net.Conn)) error {
 	stop := context.AfterFunc(ctx, func() { ln.Close() })
 	defer stop()
 	var delay time.Duration
@@ -248,7 +257,7 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 			var ne net.Error
 			if errors.As(err, &ne) && ne.Timeout() {
 				delay = min(max(2*delay, 5*time.Millisecond), time.Second)
-				s.log.Warn().Err(err).Dur("retry_in", delay).Msg("hbone: accept failed")
+				log.Warn().Err(err).Str("listener", ln.Addr().String()).Dur("retry_in", delay).Msg("hbone: accept failed")
 				select {
 				case <-time.After(delay):
 					continue
@@ -259,7 +268,7 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 			return fmt.Errorf("hbone: accept on %s: %w", ln.Addr(), err)
 		}
 		delay = 0
-		go s.ServeConn(ctx, c)
+		serve(c)
 	}
 }
 
