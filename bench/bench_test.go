@@ -2,7 +2,9 @@ package bench
 
 import (
 	"fmt"
+	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -124,6 +126,17 @@ func TestFilesNoteNamesAProxyOutOfDescriptors(t *testing.T) {
 		cmd.Process.Kill()
 		cmd.Wait()
 	}()
+	// Start returns once the child is forked, maybe before it has exec'd
+	// sleep and closed the descriptors it inherited: count them after.
+	exe := fmt.Sprintf("/proc/%d/exe", cmd.Process.Pid)
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		if p, err := os.Readlink(exe); err == nil && filepath.Base(p) == "sleep" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s never became sleep", exe)
+		}
+	}
 	l := &lane{Path: &topo.Path{Proxies: []topo.Proxy{{Name: "stand-in n1", Pid: cmd.Process.Pid}}}}
 	if got := filesNote(l); got != "" {
 		t.Errorf("with room left: %q, want no note", got)
