@@ -251,14 +251,8 @@ func removeStaleLocal(table int) error {
 				errs = append(errs, fmt.Errorf("tun: delete stale rule %s: %w", rules[i], err))
 			}
 		}
-		routes, err := netlink.RouteListFiltered(family, &netlink.Route{Table: table}, netlink.RT_FILTER_TABLE)
-		if err != nil {
-			return fmt.Errorf("tun: list routes of table %d: %w", table, err)
-		}
-		for i := range routes {
-			if err := netlink.RouteDel(&routes[i]); err != nil && !errors.Is(err, unix.ESRCH) {
-				errs = append(errs, fmt.Errorf("tun: delete stale route %s: %w", routes[i], err))
-			}
+		if err := flushTable(family, table); err != nil {
+			errs = append(errs, err)
 		}
 	}
 	return errors.Join(errs...)

@@ -408,15 +408,25 @@ func RemoveStale(table int) error {
 	}
 	for _, family := range []int{unix.AF_INET, unix.AF_INET6} {
 		for _, t := range []int{table, table + 1} {
-			rts, err := netlink.RouteListFiltered(family, &netlink.Route{Table: t}, netlink.RT_FILTER_TABLE)
-			if err != nil {
-				return fmt.Errorf("tun: list routes of table %#x: %w", t, err)
+			if err := flushTable(family, t); err != nil {
+				errs = append(errs, err)
 			}
-			for i := range rts {
-				if err := netlink.RouteDel(&rts[i]); err != nil && !errors.Is(err, unix.ESRCH) {
-					errs = append(errs, fmt.Errorf("tun: delete route %s: %w", rts[i], err))
-				}
-			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// flushTable deletes every route of family in table; a route already gone
+// is not an error.
+func flushTable(family, table int) error {
+	rts, err := netlink.RouteListFiltered(family, &netlink.Route{Table: table}, netlink.RT_FILTER_TABLE)
+	if err != nil {
+		return fmt.Errorf("tun: list routes of table %#x: %w", table, err)
+	}
+	var errs []error
+	for i := range rts {
+		if err := netlink.RouteDel(&rts[i]); err != nil && !errors.Is(err, unix.ESRCH) {
+			errs = append(errs, fmt.Errorf("tun: delete route %s: %w", rts[i], err))
 		}
 	}
 	return errors.Join(errs...)
