@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"sync"
 	"syscall"
@@ -19,20 +18,14 @@ import (
 var meshtunBin string
 
 func TestMain(m *testing.M) {
-	dir, err := os.MkdirTemp("", "meshtun-e2e-")
-	if err != nil {
+	var remove func()
+	var err error
+	if meshtunBin, remove, err = noderun.Build("../.."); err != nil {
 		fmt.Fprintln(os.Stderr, "e2e:", err)
 		os.Exit(1)
 	}
-	meshtunBin = filepath.Join(dir, "meshtun")
-	build := exec.Command("go", "build", "-o", meshtunBin, "github.com/meshtun/meshtun/cmd/meshtun")
-	build.Stdout, build.Stderr = os.Stderr, os.Stderr
-	if err := build.Run(); err != nil {
-		fmt.Fprintln(os.Stderr, "e2e: build meshtun:", err)
-		os.Exit(1)
-	}
 	code := m.Run()
-	os.RemoveAll(dir)
+	remove()
 	os.Exit(code)
 }
 

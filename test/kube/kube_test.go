@@ -9,7 +9,6 @@ import (
 	"net/http"
 	"net/netip"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -36,21 +35,15 @@ import (
 var meshtunBin string
 
 func TestMain(m *testing.M) {
-	dir, err := os.MkdirTemp("", "meshtun-kube-")
-	if err != nil {
+	var remove func()
+	var err error
+	// The product's own module: its go.mod and go.sum, not this test module's.
+	if meshtunBin, remove, err = noderun.Build("../.."); err != nil {
 		fmt.Fprintln(os.Stderr, "kube:", err)
 		os.Exit(1)
 	}
-	meshtunBin = filepath.Join(dir, "meshtun")
-	build := exec.Command("go", "build", "-o", meshtunBin, "github.com/meshtun/meshtun/cmd/meshtun")
-	build.Dir = "../.." // the product's own module: its go.mod and go.sum, not this test module's
-	build.Stdout, build.Stderr = os.Stderr, os.Stderr
-	if err := build.Run(); err != nil {
-		fmt.Fprintln(os.Stderr, "kube: build meshtun:", err)
-		os.Exit(1)
-	}
 	code := m.Run()
-	os.RemoveAll(dir)
+	remove()
 	os.Exit(code)
 }
 

@@ -362,3 +362,23 @@ func Uninstall(ctx context.Context, bin string, n *cluster.Node) error {
 	}
 	return nil
 }
+
+// Build builds the meshtun binary of the module rooted at moduleDir (with
+// that module's go.mod and go.sum, so a test module need not carry the
+// product's requirements) into a new temporary directory. remove deletes
+// the directory. The go command's output goes to stderr.
+func Build(moduleDir string) (bin string, remove func(), err error) {
+	dir, err := os.MkdirTemp("", "meshtun-bin-")
+	if err != nil {
+		return "", nil, err
+	}
+	bin = filepath.Join(dir, "meshtun")
+	build := exec.Command("go", "build", "-o", bin, "github.com/meshtun/meshtun/cmd/meshtun")
+	build.Dir = moduleDir
+	build.Stdout, build.Stderr = os.Stderr, os.Stderr
+	if err := build.Run(); err != nil {
+		os.RemoveAll(dir)
+		return "", nil, fmt.Errorf("build meshtun in %s: %w", moduleDir, err)
+	}
+	return bin, func() { os.RemoveAll(dir) }, nil
+}

@@ -24,17 +24,11 @@ import (
 var meshtunBin, spireServer, spireAgent string
 
 func TestMain(m *testing.M) {
-	dir, err := os.MkdirTemp("", "meshtun-spire-")
-	if err != nil {
+	var remove func()
+	var err error
+	// The product's own module: its go.mod and go.sum, not this test module's.
+	if meshtunBin, remove, err = noderun.Build("../.."); err != nil {
 		fmt.Fprintln(os.Stderr, "spire:", err)
-		os.Exit(1)
-	}
-	meshtunBin = filepath.Join(dir, "meshtun")
-	build := exec.Command("go", "build", "-o", meshtunBin, "github.com/meshtun/meshtun/cmd/meshtun")
-	build.Dir = "../.." // the product's own module: its go.mod and go.sum, not this test module's
-	build.Stdout, build.Stderr = os.Stderr, os.Stderr
-	if err := build.Run(); err != nil {
-		fmt.Fprintln(os.Stderr, "spire: build meshtun:", err)
 		os.Exit(1)
 	}
 	if spireServer, spireAgent, err = spireBinaries(); err != nil {
@@ -42,7 +36,7 @@ func TestMain(m *testing.M) {
 		os.Exit(1)
 	}
 	code := m.Run()
-	os.RemoveAll(dir)
+	remove()
 	os.Exit(code)
 }
 
