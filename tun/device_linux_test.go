@@ -90,6 +90,9 @@ func tunFlags(t *testing.T, d *Device) uint16 {
 // with its virtio-net header, written back, and neither Read, Write nor
 // Writev allocates.
 func TestReadWriteNoAlloc(t *testing.T) {
+	if raceEnabled {
+		t.Skip("the race detector allocates on its own")
+	}
 	inNewNetns(t)
 	d, err := Open(Config{Name: "mt0"})
 	if err != nil {

@@ -1,0 +1,5 @@
+//go:build !race
+
+package tun
+
+const raceEnabled = false
