@@ -79,15 +79,173 @@ type ztEndpoint struct {
 	Port        map[string]uint16 `json:"port"`
 }
 
-// ztPolicy carries ztunnel's policy header; its rules are meshtun's
-// (from, to, when), not ztunnel's nested match lists.
+// ztPolicy is ztunnel's Authorization: rules (OR) of clauses (AND) of
+// matches (OR), the nesting istiod sends in the Authorization resource.
 type ztPolicy struct {
 	Name      string        `json:"name"`
 	Namespace string        `json:"namespace"`
 	Scope     string        `json:"scope"`
 	Action    string        `json:"action"`
-	Rules     []policy.Rule `json:"rules"`
+	Rules     [][][]ztMatch `json:"rules"`
 	DryRun    bool          `json:"dryRun"`
+}
+
+// ztMatch is ztunnel's RbacMatch: its fields are AND-ed, the values of one
+// field OR-ed; empty fields are left out.
+type ztMatch struct {
+	Namespaces          []ztString     `json:"namespaces,omitempty"`
+	NotNamespaces       []ztString     `json:"notNamespaces,omitempty"`
+	ServiceAccounts     []ztSAMatch    `json:"serviceAccounts,omitempty"`
+	NotServiceAccounts  []ztSAMatch    `json:"notServiceAccounts,omitempty"`
+	Principals          []ztString     `json:"principals,omitempty"`
+	NotPrincipals       []ztString     `json:"notPrincipals,omitempty"`
+	SourceIPs           []netip.Prefix `json:"sourceIps,omitempty"`
+	NotSourceIPs        []netip.Prefix `json:"notSourceIps,omitempty"`
+	DestinationIPs      []netip.Prefix `json:"destinationIps,omitempty"`
+	NotDestinationIPs   []netip.Prefix `json:"notDestinationIps,omitempty"`
+	DestinationPorts    []uint16       `json:"destinationPorts,omitempty"`
+	NotDestinationPorts []uint16       `json:"notDestinationPorts,omitempty"`
+}
+
+// ztString is ztunnel's StringMatch, serialized as serde writes a Rust
+// enum: {"Exact":"v"}, {"Prefix":"v"}, {"Suffix":"v"} or {"Presence":[]}.
+type ztString map[string]any
+
+// ztStrings turns Istio patterns ("v", "v*", "*v", "*") into StringMatches.
+func ztStrings(patterns []string) []ztString {
+	var out []ztString
+	for _, p := range patterns {
+		switch {
+		case p == "*":
+			out = append(out, ztString{"Presence": []any{}})
+		case strings.HasSuffix(p, "*"):
+			out = append(out, ztString{"Prefix": p[:len(p)-1]})
+		case strings.HasPrefix(p, "*"):
+			out = append(out, ztString{"Suffix": p[1:]})
+		default:
+			out = append(out, ztString{"Exact": p})
+		}
+	}
+	return out
+}
+
+// ztSAMatch is ztunnel's ServiceAccountMatch.
+type ztSAMatch struct {
+	Namespace      string `json:"namespace"`
+	ServiceAccount string `json:"serviceAccount"`
+}
+
+func ztServiceAccounts(nsSA []string) []ztSAMatch {
+	var out []ztSAMatch
+	for _, v := range nsSA {
+		ns, sa, _ := strings.Cut(v, "/")
+		out = append(out, ztSAMatch{Namespace: ns, ServiceAccount: sa})
+	}
+	return out
+}
+
+// ztSourceMatches renders one source. ztunnel's match has no exceptions
+// to an IP block (Istio's policies have none; meshtun's file form does):
+// a block with exceptions gets a match of its own whose not-list holds
+// them, the other fields repeated, which keeps the meaning. A not-block's
+// exceptions are not shown: "not (block except e)" is not one match.
+func ztSourceMatches(f policy.Source) []ztMatch {
+	m := ztMatch{
+		Namespaces: ztStrings(f.Namespaces), NotNamespaces: ztStrings(f.NotNamespaces),
+		Principals: ztStrings(f.Principals), NotPrincipals: ztStrings(f.NotPrincipals),
+		ServiceAccounts: ztServiceAccounts(f.ServiceAccounts), NotServiceAccounts: ztServiceAccounts(f.NotServiceAccounts),
+	}
+	for _, b := range f.NotIPBlocks {
+		m.NotSourceIPs = append(m.NotSourceIPs, b.CIDR)
+	}
+	var plain []netip.Prefix
+	var out []ztMatch
+	for _, b := range f.IPBlocks {
+		if len(b.Except) == 0 {
+			plain = append(plain, b.CIDR)
+			continue
+		}
+		e := m
+		e.SourceIPs = []netip.Prefix{b.CIDR}
+		e.NotSourceIPs = append(slices.Clone(m.NotSourceIPs), b.Except...)
+		out = append(out, e)
+	}
+	if len(plain) > 0 || len(out) == 0 {
+		m.SourceIPs = plain
+		out = append([]ztMatch{m}, out...)
+	}
+	return out
+}
+
+func ztPrefixes(vs []string) []netip.Prefix {
+	var out []netip.Prefix
+	for _, v := range vs {
+		if p, err := policy.ParsePrefix(v); err == nil {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+func ztPorts(vs []string) []uint16 {
+	var out []uint16
+	for _, v := range vs {
+		if p, err := strconv.ParseUint(v, 10, 16); err == nil {
+			out = append(out, uint16(p))
+		}
+	}
+	return out
+}
+
+// ztRules nests a policy's rules as istiod does for ztunnel: per rule a
+// clause of the from-sources, a clause of the to-operations, and one
+// clause per when-condition. HTTP fields (which an L4 proxy cannot match,
+// and which the policy package has already made match nothing or kept the
+// L4 part of) are not rendered. A when-key the dump cannot express keeps
+// its clause empty (ztunnel's "matches anything": the dump is a view;
+// enforcement is meshtun's).
+func ztRules(rules []policy.Rule) [][][]ztMatch {
+	out := [][][]ztMatch{}
+	for _, r := range rules {
+		var clauses [][]ztMatch
+		if len(r.From) > 0 {
+			var c []ztMatch
+			for _, f := range r.From {
+				c = append(c, ztSourceMatches(f)...)
+			}
+			clauses = append(clauses, c)
+		}
+		if len(r.To) > 0 {
+			var c []ztMatch
+			for _, t := range r.To {
+				c = append(c, ztMatch{DestinationPorts: t.Ports, NotDestinationPorts: t.NotPorts})
+			}
+			clauses = append(clauses, c)
+		}
+		for _, w := range r.When {
+			var m ztMatch
+			switch w.Key {
+			case "source.ip":
+				m.SourceIPs, m.NotSourceIPs = ztPrefixes(w.Values), ztPrefixes(w.NotValues)
+			case "source.namespace":
+				m.Namespaces, m.NotNamespaces = ztStrings(w.Values), ztStrings(w.NotValues)
+			case "source.principal":
+				m.Principals, m.NotPrincipals = ztStrings(w.Values), ztStrings(w.NotValues)
+			case "destination.ip":
+				m.DestinationIPs, m.NotDestinationIPs = ztPrefixes(w.Values), ztPrefixes(w.NotValues)
+			case "destination.port":
+				m.DestinationPorts, m.NotDestinationPorts = ztPorts(w.Values), ztPorts(w.NotValues)
+			default:
+				continue
+			}
+			clauses = append(clauses, []ztMatch{m})
+		}
+		if clauses == nil {
+			clauses = [][]ztMatch{}
+		}
+		out = append(out, clauses)
+	}
+	return out
 }
 
 // ztCerts and ztCert keep ztunnel's snake_case names for certificates
@@ -179,15 +337,12 @@ func ztunnelDump(snap *registry.Snapshot, svids *identity.Source) ztDump {
 		d.Workloads = append(d.Workloads, zw)
 	}
 	for _, p := range snap.Policies {
-		zp := ztPolicy{Name: p.Name, Namespace: p.Namespace, Scope: "Namespace", Action: ztAction(p.Action), Rules: p.Rules}
+		zp := ztPolicy{Name: p.Name, Namespace: p.Namespace, Scope: "Namespace", Action: ztAction(p.Action), Rules: ztRules(p.Rules)}
 		switch {
 		case len(p.Selector) > 0:
 			zp.Scope = "WorkloadSelector"
 		case p.Namespace == snap.RootNamespace:
 			zp.Scope = "Global"
-		}
-		if zp.Rules == nil {
-			zp.Rules = []policy.Rule{}
 		}
 		d.Policies = append(d.Policies, zp)
 	}

@@ -147,3 +147,35 @@ func TestConfigDumpZtunnelShape(t *testing.T) {
 		t.Errorf("?format=envoy: %d, want 400", rec.Code)
 	}
 }
+
+// TestZtunnelDumpRules checks that a policy's rules are rendered in
+// ztunnel's nesting (rules of clauses of matches) with its field names and
+// StringMatch encoding.
+func TestZtunnelDumpRules(t *testing.T) {
+	rules := []policy.Rule{{
+		From: []policy.Source{
+			{Principals: []string{"cluster.local/ns/a/sa/x"}, Namespaces: []string{"b*"}, NotNamespaces: []string{"*"}},
+			{ServiceAccounts: []string{"c/y"}, IPBlocks: []policy.IPBlock{
+				{CIDR: netip.MustParsePrefix("10.0.0.0/8")},
+				{CIDR: netip.MustParsePrefix("192.0.2.0/24"), Except: []netip.Prefix{netip.MustParsePrefix("192.0.2.8/29")}},
+			}},
+		},
+		To:   []policy.Operation{{Ports: []uint16{9}}, {NotPorts: []uint16{22}}},
+		When: []policy.Condition{{Key: "source.ip", Values: []string{"198.51.100.1"}}, {Key: "destination.port", NotValues: []string{"80"}}},
+	}, {}}
+	got, err := json.Marshal(ztRules(rules))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := `[[` +
+		`[{"namespaces":[{"Prefix":"b"}],"notNamespaces":[{"Presence":[]}],"principals":[{"Exact":"cluster.local/ns/a/sa/x"}]},` +
+		`{"serviceAccounts":[{"namespace":"c","serviceAccount":"y"}],"sourceIps":["10.0.0.0/8"]},` +
+		`{"serviceAccounts":[{"namespace":"c","serviceAccount":"y"}],"sourceIps":["192.0.2.0/24"],"notSourceIps":["192.0.2.8/29"]}],` +
+		`[{"destinationPorts":[9]},{"notDestinationPorts":[22]}],` +
+		`[{"sourceIps":["198.51.100.1/32"]}],` +
+		`[{"notDestinationPorts":[80]}]` +
+		`],[]]`
+	if string(got) != want {
+		t.Errorf("rules:\n got %s\nwant %s", got, want)
+	}
+}
