@@ -6,16 +6,17 @@ import (
 	"crypto/x509"
 	"errors"
 	"io"
-	"net"
 	"net/http"
 	"net/netip"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	authv1 "k8s.io/api/authentication/v1"
@@ -23,6 +24,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
@@ -218,7 +220,9 @@ func TestIstiod(t *testing.T) {
 			t.Skip("pilot-discovery is not cached; MESHTUN_TEST_ISTIOD=1 builds it (20+ minutes cold)")
 		}
 	}
-	c := cluster.NewT(t, cluster.Spec{Name: "istd", Nodes: 2, PodsPerNode: 2})
+	// Node 3 runs no meshtun: it stands for a node of Istio's own HBONE
+	// implementation (pkg/hbone), with certificates from istiod.
+	c := cluster.NewT(t, cluster.Spec{Name: "istd", Nodes: 3, PodsPerNode: 2})
 	cp := controlPlaneT(t, c)
 	ctx := context.Background()
 	dir := t.TempDir()
@@ -234,16 +238,28 @@ func TestIstiod(t *testing.T) {
 		t.Fatalf("deploy/istio: %v", err)
 	}
 	cfgPath := istioNodeConfig(t, istioMs, dir)
-	n1, n2 := c.Nodes[0], c.Nodes[1]
-	root, tokens, kubeconfig := istiodFiles(t, cp, dir, n1, n2)
+	n1, n2, n3 := c.Nodes[0], c.Nodes[1], c.Nodes[2]
+	root, tokens, kubeconfig := istiodFiles(t, cp, dir, n1, n2, n3)
 	p11 := n1.Pods[0]
 	p21, p22 := n2.Pods[0], n2.Pods[1]
+	p31, p32 := n3.Pods[0], n3.Pods[1]
 	k := kubelet{t: t, cs: cp.Admin}
 	k.namespace("apps", true)
 	k.run(p11, "apps", "client", "client", map[string]string{"app": "client", "version": "v1"})
 	k.run(p21, "apps", "server", "server", map[string]string{"app": "server"})
+	// Node 3's pods are enrolled too; nothing there runs --redirect-pods,
+	// so the test marks them redirected, as istio-cni does for ztunnel.
+	k.run(p31, "apps", "istio-server", "istio-server", map[string]string{"app": "istio-server"})
+	k.run(p32, "apps", "istio-client", "istio-client", map[string]string{"app": "istio-client"})
+	for _, name := range []string{"istio-server", "istio-client"} {
+		patch := []byte(`{"metadata":{"annotations":{"ambient.istio.io/redirection":"enabled"}}}`)
+		if _, err := cp.Admin.CoreV1().Pods("apps").Patch(ctx, name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
 	echo(t, p21, 8080)
 	echo(t, p22, 8080)
+	echo(t, p31, 8080)
 
 	start := func(n *cluster.Node, token string) *noderun.Process {
 		sctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
@@ -384,27 +400,152 @@ func TestIstiod(t *testing.T) {
 		t.Logf("server certificate: issuer %q, valid until %s", chain[0].Issuer, chain[0].NotAfter.Format(time.RFC3339))
 	})
 
+	t.Run("Istio's own HBONE (pkg/hbone) and meshtun, both with istiod's certificates", func(t *testing.T) {
+		peer := buildIstioPeer(t)
+		pdir := t.TempDir()
+		// Node 3's credential gets its pods' certificates from istiod's
+		// CA, a CSR each, as ztunnel (and meshtun) ask for them.
+		ca := istiodCA(t, istiod, root, tokens[2], n3)
+		creds := func(sa string, issuer interface {
+			Issue(context.Context, spiffeid.ID) (*x509svid.SVID, error)
+		}, prefix string) []string {
+			t.Helper()
+			id := spiffeid.RequireFromString(spiffe("apps", sa))
+			svid, err := issuer.Issue(ctx, id)
+			if err != nil {
+				t.Fatalf("certificate for %s: %v", id, err)
+			}
+			if svid.ID != id {
+				t.Fatalf("issued %s, asked for %s", svid.ID, id)
+			}
+			cert, key := svidFiles(t, pdir, prefix+sa, svid)
+			return []string{"--cert", cert, "--key", key, "--root", root}
+		}
+		serverCreds, clientCreds := creds("istio-server", ca, "istiod-"), creds("istio-client", ca, "istiod-")
+		// Istio's server serves HBONE for its pod, as ztunnel would.
+		is := startIstioPeer(t, p31.NS, peer, "listening", append([]string{"serve", "--listen", ":15008"}, serverCreds...)...)
+		const size = 1<<20 + 7
+
+		t.Run("Istio's dialer to a workload meshtun serves", func(t *testing.T) {
+			for _, dst := range []netip.Addr{p21.IPv4, p21.IPv6} {
+				mark := m2.Len()
+				target := netip.AddrPortFrom(dst, 8080)
+				out, p, err := istioDial(t, p32.NS, peer, append([]string{
+					"--proxy", netip.AddrPortFrom(dst, 15008).String(), "--target", target.String(),
+					"--want-server", spiffe("apps", "server"), "--bytes", strconv.Itoa(size)}, clientCreds...)...)
+				if err != nil {
+					t.Fatalf("Istio's dialer on node 3 to %s through node 2: %v\n%s", target, err, p.output())
+				}
+				// Istio's verifier, loaded with istiod's root, read node
+				// 2's certificate for the server pod.
+				if out.Str("message") != "echoed" || out.Num("received") != size || out.Str("server") != spiffe("apps", "server") {
+					t.Errorf("Istio's dialer: %v, want %d bytes echoed by a server verified as %s", out, size, spiffe("apps", "server"))
+				}
+				l := waitLog(t, m2, mark, "inbound access log of Istio's dialer", func(l noderun.Line) bool {
+					return l.Str("log") == "access" && l.Str("message") == "connection complete" &&
+						l.Str("direction") == "inbound" && l.Str("dst.addr") == target.String()
+				})
+				wantField(t, l, "src.identity", spiffe("apps", "istio-client"))
+				wantField(t, l, "dst.identity", spiffe("apps", "server"))
+				if l.Num("bytes_sent") != size || l.Num("bytes_recv") != size {
+					t.Errorf("node 2 relayed %v bytes to the workload and %v back, want %d each way", l["bytes_sent"], l["bytes_recv"], size)
+				}
+			}
+		})
+
+		t.Run("meshtun's outbound to Istio's server", func(t *testing.T) {
+			for _, dst := range []netip.Addr{p31.IPv4, p31.IPv6} {
+				target := netip.AddrPortFrom(dst, 8080)
+				mark := is.len()
+				var out noderun.Line
+				// Until istiod's model has the pod as HBONE, node 1 sends
+				// to it in plaintext.
+				until("hbone to Istio's server at "+dst.String(), func() netip.AddrPort {
+					src := roundTripMaybe(p11, target)
+					if !src.IsValid() {
+						return src
+					}
+					var ok bool
+					if out, ok = accessLog(m1, src); !ok || out.Str("route") != "hbone" {
+						return netip.AddrPort{}
+					}
+					return src
+				})
+				wantField(t, out, "src.identity", spiffe("apps", "client"))
+				wantField(t, out, "dst.identity", spiffe("apps", "istio-server"))
+				wantField(t, out, "dst.hbone_addr", netip.AddrPortFrom(dst, 15008).String())
+				// Istio's server, trusting istiod's root only, read node 1's
+				// certificate for the client pod.
+				c, err := is.waitSince(mark, func(l noderun.Line) bool {
+					return l.Str("message") == "connect" && l.Str("authority") == target.String()
+				})
+				if err != nil {
+					t.Fatalf("Istio's server saw no CONNECT to %s: %v", target, err)
+				}
+				if c.Str("peer") != spiffe("apps", "client") || c.Num("tls_version") != tls.VersionTLS13 || c.Str("alpn") != "h2" {
+					t.Errorf("Istio's server saw %v, want peer %s over TLS 1.3 and h2", c, spiffe("apps", "client"))
+				}
+			}
+		})
+
+		t.Run("a certificate of another CA is refused", func(t *testing.T) {
+			// The same identities in the same trust domain, from a CA
+			// istiod's root did not sign.
+			rogue, err := identity.OpenCA(identity.CAConfig{Dir: t.TempDir(), TrustDomain: spiffeid.RequireTrustDomainFromString("cluster.local")})
+			if err != nil {
+				t.Fatal(err)
+			}
+			mark := m2.Len()
+			target := netip.AddrPortFrom(p21.IPv4, 8080)
+			out, _, err := istioDial(t, p32.NS, peer, append([]string{
+				"--proxy", netip.AddrPortFrom(p21.IPv4, 15008).String(), "--target", target.String(),
+				"--want-server", spiffe("apps", "server")}, creds("istio-client", rogue, "rogue-")...)...)
+			if err == nil {
+				t.Fatalf("node 2 let Istio's dialer with another CA's certificate through: %v", out)
+			}
+			t.Logf("Istio's dialer with another CA's certificate: %s", out.Str("error"))
+			waitLog(t, m2, mark, "TLS refusal of Istio's dialer", func(l noderun.Line) bool {
+				return l.Str("direction") == "inbound" && l.Str("message") == "connection refused" && strings.HasPrefix(l.Str("error"), "TLS")
+			})
+			if hasLineSince(m2, mark, func(l noderun.Line) bool {
+				return l.Str("message") == "connection complete" && l.Str("direction") == "inbound"
+			}) {
+				t.Errorf("node 2 delivered a connection after refusing Istio's dialer:\n%s", m2.Logs())
+			}
+
+			// Istio's server with another CA's certificate: meshtun's
+			// outbound refuses it and nothing reaches its pod.
+			is.stop()
+			rs := startIstioPeer(t, p31.NS, peer, "listening", append([]string{"serve", "--listen", ":15008"}, creds("istio-server", rogue, "rogue-")...)...)
+			mark = m1.Len()
+			deadline := time.Now().Add(20 * time.Second)
+			for {
+				if src := roundTripMaybe(p11, netip.AddrPortFrom(p31.IPv4, 8080)); src.IsValid() {
+					t.Fatalf("node 1 reached Istio's server with another CA's certificate (connection from %s)", src)
+				}
+				// The first attempt may fall on the pooled connection to
+				// the stopped server; a fresh one meets the rogue one.
+				if hasLineSince(m1, mark, func(l noderun.Line) bool {
+					return l.Str("direction") == "outbound" && l.Str("message") == "connection refused" && strings.Contains(l.Str("error"), "certificate")
+				}) {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("node 1 logged no refusal of the rogue server's certificate:\n%s", m1.Logs())
+				}
+			}
+			for _, l := range rs.since(0) {
+				if l.Str("message") == "connect" {
+					t.Errorf("Istio's server with another CA's certificate got a CONNECT: %v", l)
+				}
+			}
+		})
+	})
+
 	t.Run("istiod refuses a node the identity of another node's pod", func(t *testing.T) {
 		// Node 1's credential (its token, bound to its meshtun pod) asks
 		// istiod's CA directly, as a compromised node might.
-		td := spiffeid.RequireTrustDomainFromString("cluster.local")
-		rootPEM, err := os.ReadFile(root)
-		if err != nil {
-			t.Fatal(err)
-		}
-		roots, err := identity.ParseCertsPEM(rootPEM)
-		if err != nil {
-			t.Fatal(err)
-		}
-		ca, err := identity.DialCA(identity.RemoteConfig{
-			Address: istiod.Addr.String(), ServerName: istiod.ServerName, TrustDomain: td,
-			Bundle: identity.NewTrustBundle(td, roots), Token: identity.TokenFile(tokens[0]), ClusterID: "Kubernetes",
-			Dial: func(ctx context.Context, addr string) (net.Conn, error) { return n1.NS.Dial(ctx, "tcp", addr) },
-		})
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer ca.Close()
+		ca := istiodCA(t, istiod, root, tokens[0], n1)
 		// Its own pod's identity: issued (so the refusal below is not of
 		// the credential itself).
 		own := spiffeid.RequireFromString(spiffe("apps", "client"))
