@@ -11,6 +11,10 @@
 // loaded from the CA's root-cert.pem as Istio loads a root file) and reads
 // identities with Istio's SAN parser (security/pkg/pki/util.ExtractIDs).
 //
+// cmd/istio-hbone-peer is the same Istio side as a program: test/kube's
+// TestIstiod runs it inside its test cluster's network namespaces, with
+// certificates from a real istiod's CA, against meshtun nodes.
+//
 // What this Istio version's pkg/hbone does on the wire, as the tests pin it
 // (ztunnel, the Rust node proxy, behaves differently where noted):
 //

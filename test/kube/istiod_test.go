@@ -284,8 +284,9 @@ func TestIstiod(t *testing.T) {
 		}
 	})
 
-	// until retries fn until it returns a valid connection source.
-	until := func(what string, fn func() netip.AddrPort) netip.AddrPort {
+	// until retries fn until it returns a valid connection source; it
+	// fails t, the (sub)test it is called from.
+	until := func(t *testing.T, what string, fn func() netip.AddrPort) netip.AddrPort {
 		t.Helper()
 		deadline := time.Now().Add(30 * time.Second)
 		for {
@@ -305,7 +306,7 @@ func TestIstiod(t *testing.T) {
 		waitRedirected(t, cp.Admin, "apps", "server", true)
 		for _, dst := range []netip.Addr{p21.IPv4, p21.IPv6} {
 			var out noderun.Line
-			until("hbone to "+dst.String(), func() netip.AddrPort {
+			until(t, "hbone to "+dst.String(), func() netip.AddrPort {
 				src := roundTripMaybe(p11, netip.AddrPortFrom(dst, 8080))
 				if !src.IsValid() {
 					return src
@@ -460,7 +461,7 @@ func TestIstiod(t *testing.T) {
 				var out noderun.Line
 				// Until istiod's model has the pod as HBONE, node 1 sends
 				// to it in plaintext.
-				until("hbone to Istio's server at "+dst.String(), func() netip.AddrPort {
+				until(t, "hbone to Istio's server at "+dst.String(), func() netip.AddrPort {
 					src := roundTripMaybe(p11, target)
 					if !src.IsValid() {
 						return src
@@ -533,6 +534,7 @@ func TestIstiod(t *testing.T) {
 				if time.Now().After(deadline) {
 					t.Fatalf("node 1 logged no refusal of the rogue server's certificate:\n%s", m1.Logs())
 				}
+				time.Sleep(200 * time.Millisecond)
 			}
 			for _, l := range rs.since(0) {
 				if l.Str("message") == "connect" {
@@ -602,7 +604,7 @@ func TestIstiod(t *testing.T) {
 		if err := dyn.Resource(authzGVR).Namespace("apps").Delete(ctx, "deny-client", metav1.DeleteOptions{}); err != nil {
 			t.Fatal(err)
 		}
-		until("policy deleted", func() netip.AddrPort { return roundTripMaybe(p11, netip.AddrPortFrom(p21.IPv4, 8080)) })
+		until(t, "policy deleted", func() netip.AddrPort { return roundTripMaybe(p11, netip.AddrPortFrom(p21.IPv4, 8080)) })
 	})
 
 	t.Run("a service meshtun cannot apply is NACKed, the rest applies", func(t *testing.T) {
@@ -637,7 +639,7 @@ func TestIstiod(t *testing.T) {
 		for _, ip := range web.Spec.ClusterIPs {
 			vip := netip.AddrPortFrom(netip.MustParseAddr(ip), 80)
 			var out noderun.Line
-			until("the web service at "+vip.String(), func() netip.AddrPort {
+			until(t, "the web service at "+vip.String(), func() netip.AddrPort {
 				src := roundTripMaybe(p11, vip)
 				if !src.IsValid() {
 					return src
