@@ -14,14 +14,14 @@ import (
 )
 
 // Labels of Istio's TCP metrics, in Istio's names (those ztunnel
-// reports, less destination_service_name and _namespace).
+// reports).
 var connLabels = []string{
 	"reporter",
 	"source_workload", "source_workload_namespace", "source_principal",
 	"source_canonical_service", "source_canonical_revision", "source_app", "source_version", "source_cluster",
 	"destination_workload", "destination_workload_namespace", "destination_principal",
 	"destination_canonical_service", "destination_canonical_revision", "destination_app", "destination_version", "destination_cluster",
-	"destination_service",
+	"destination_service", "destination_service_name", "destination_service_namespace",
 	"request_protocol",
 	"connection_security_policy",
 	"response_flags",
@@ -34,14 +34,25 @@ type Conn struct {
 	Reporter string
 	// Src and Dst are the two ends. Their app and version labels repeat
 	// the canonical service and revision, as ztunnel's do.
-	Src, Dst   Peer
-	DstService string
+	Src, Dst Peer
+	// DstService is the service the connection was addressed to, as
+	// ztunnel labels it: destination_service (its hostname),
+	// destination_service_name and destination_service_namespace.
+	DstService Service
 	// SecurityPolicy is "mutual_tls" for HBONE, "none" for plaintext.
 	SecurityPolicy string
 	// ResponseFlags is "-" for a connection that went through, "DENY" for
 	// one refused by policy, "CONNECT" for an upstream connect failure,
 	// "TLS_FAILURE" for a failed handshake.
 	ResponseFlags string
+}
+
+// Service is the destination service of a connection: the one whose VIP
+// the client connected to or, inbound, the known service the client named
+// in its HBONE request. The zero Service (none) is "unknown" in all three
+// labels.
+type Service struct {
+	Hostname, Name, Namespace string
 }
 
 // Peer is one end of a connection, as Istio's labels name it.
@@ -60,7 +71,8 @@ func (c *Conn) values() []string {
 		c.Src.CanonicalService, c.Src.CanonicalRevision, c.Src.CanonicalService, c.Src.CanonicalRevision, c.Src.Cluster,
 		c.Dst.Workload, c.Dst.Namespace, c.Dst.Principal,
 		c.Dst.CanonicalService, c.Dst.CanonicalRevision, c.Dst.CanonicalService, c.Dst.CanonicalRevision, c.Dst.Cluster,
-		c.DstService, "tcp", c.SecurityPolicy, c.ResponseFlags}
+		c.DstService.Hostname, c.DstService.Name, c.DstService.Namespace,
+		"tcp", c.SecurityPolicy, c.ResponseFlags}
 	for i := range v {
 		if v[i] == "" {
 			v[i] = "unknown"

@@ -387,7 +387,8 @@ func counterValue(t *testing.T, m *metrics.Metrics, name string, c *metrics.Conn
 		"reporter": c.Reporter, "source_workload": c.Src.Workload, "source_workload_namespace": c.Src.Namespace,
 		"source_principal": c.Src.Principal, "destination_workload": c.Dst.Workload,
 		"destination_workload_namespace": c.Dst.Namespace, "destination_principal": c.Dst.Principal,
-		"destination_service": c.DstService, "connection_security_policy": c.SecurityPolicy, "response_flags": c.ResponseFlags,
+		"destination_service": c.DstService.Hostname, "destination_service_name": c.DstService.Name,
+		"destination_service_namespace": c.DstService.Namespace, "connection_security_policy": c.SecurityPolicy, "response_flags": c.ResponseFlags,
 	}
 	for k, v := range want {
 		if v == "" {

@@ -14,6 +14,7 @@ import (
 	"github.com/rs/zerolog"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 
+	"github.com/meshtun/meshtun/mesh/metrics"
 	"github.com/meshtun/meshtun/mesh/registry"
 	"github.com/meshtun/meshtun/protocols/hbone"
 	"github.com/meshtun/meshtun/stack"
@@ -58,7 +59,8 @@ func (l *lockedBuffer) String() string {
 var testTD = spiffeid.RequireTrustDomainFromString("cluster.local")
 
 // inboundProxy is a proxy of node n1 with one local workload, web at
-// 198.18.1.20, a client workload at 198.18.2.10 and a service web.
+// 198.18.1.20, a client workload at 198.18.2.10 and a service web (VIP
+// 198.18.100.1, port 80 to 8080), counting Istio's metrics.
 func inboundProxy(t *testing.T, d Dialer, timeout time.Duration) (*Proxy, *lockedBuffer) {
 	t.Helper()
 	snap, err := registry.Build(registry.Model{TrustDomain: testTD,
@@ -74,7 +76,7 @@ func inboundProxy(t *testing.T, d Dialer, timeout time.Duration) (*Proxy, *locke
 	}
 	log := &lockedBuffer{}
 	p, err := New(context.Background(), Config{Node: "n1", Registry: registry.New(snap), ConnectTimeout: timeout,
-		Logger: zerolog.New(log), AccessLog: zerolog.New(log)})
+		Metrics: metrics.New(), Logger: zerolog.New(log), AccessLog: zerolog.New(log)})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -160,23 +160,24 @@ func (p *Proxy) local(w *registry.Workload) bool {
 // node is reached through HBONE, one on this node inside the proxy, and
 // anything else by passthrough.
 func (p *Proxy) outboundFrom(snap *registry.Snapshot, req *stack.TCPRequest, src, dst *registry.Workload) {
-	target, host := req.Dst, ""
-	if svc, port := snap.Service(req.Dst); svc != nil {
+	target := req.Dst
+	svc, port := snap.Service(req.Dst)
+	if svc != nil {
 		ep, ok := svc.Pick(req.Dst.Addr(), p.cfg.Node)
 		if !ok {
 			req.Reject()
-			p.newRecord(req.Src, req.Dst, src, nil, "outbound", "service").via(req.Dst, svc.Hostname).refused(errNoEndpoint)
+			p.newRecord(req.Src, req.Dst, src, nil, "outbound", "service").via(req.Dst, svc).refused(errNoEndpoint)
 			return
 		}
-		target, host, dst = netip.AddrPortFrom(ep.Addr, port.Target()), svc.Hostname, ep.Workload
+		target, dst = netip.AddrPortFrom(ep.Addr, port.Target()), ep.Workload
 	}
 	switch {
 	case dst != nil && dst.InMesh && p.cfg.HBONE != nil && dst.Node == p.cfg.Node:
-		p.sameNode(snap, req, p.newRecord(req.Src, req.Dst, src, dst, "outbound", "local").via(target, host), target)
+		p.sameNode(snap, req, p.newRecord(req.Src, req.Dst, src, dst, "outbound", "local").via(target, svc), target)
 	case dst != nil && dst.InMesh && p.cfg.HBONE != nil:
-		p.outbound(req, p.newRecord(req.Src, req.Dst, src, dst, "outbound", "hbone").via(target, host), target)
+		p.outbound(req, p.newRecord(req.Src, req.Dst, src, dst, "outbound", "hbone").via(target, svc), target)
 	default:
-		p.passthrough(p.newRecord(req.Src, req.Dst, src, dst, "outbound", "passthrough").via(target, host), req, target, true)
+		p.passthrough(p.newRecord(req.Src, req.Dst, src, dst, "outbound", "passthrough").via(target, svc), req, target, true)
 	}
 }
 

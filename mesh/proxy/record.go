@@ -24,9 +24,13 @@ type record struct {
 	srcID             string // verified or local source identity, "" if none
 	direction, route  string
 	hboneAddr, target string
-	service           string
-	secure            bool     // mutual TLS (HBONE) or in-proxy with identities
-	reporters         []string // "source" and/or "destination"
+	// service is the destination service's hostname (dst.service, the
+	// forwarded host; UnknownService for an inbound host the mesh does not
+	// know), svc the service itself when the model has it.
+	service   string
+	svc       *registry.Service
+	secure    bool     // mutual TLS (HBONE) or in-proxy with identities
+	reporters []string // "source" and/or "destination"
 
 	sentCtrs, recvCtrs []prometheus.Counter // per reporter, set by opened
 }
@@ -57,12 +61,16 @@ func (p *Proxy) newRecord(src, dst netip.AddrPort, srcW, dstW *registry.Workload
 	return r
 }
 
-// via sets the endpoint chosen for a service VIP, and the service.
-func (r *record) via(target netip.AddrPort, service string) *record {
+// via sets the endpoint chosen for a service VIP, and the service (nil if
+// the destination was no service).
+func (r *record) via(target netip.AddrPort, svc *registry.Service) *record {
 	if target != r.dst {
 		r.target = target.String()
 	}
-	r.service = service
+	r.svc = svc
+	if svc != nil {
+		r.service = svc.Hostname
+	}
 	return r
 }
 
@@ -97,7 +105,12 @@ func workloadFields(ev *zerolog.Event, side string, w *registry.Workload) {
 }
 
 func (r *record) labels(reporter, flags string) metrics.Conn {
-	c := metrics.Conn{Reporter: reporter, DstService: r.service, ResponseFlags: flags, SecurityPolicy: "none"}
+	c := metrics.Conn{Reporter: reporter, ResponseFlags: flags, SecurityPolicy: "none"}
+	if r.svc != nil {
+		c.DstService = metrics.Service{Hostname: r.svc.Hostname, Name: r.svc.Name, Namespace: r.svc.Namespace}
+	} else {
+		c.DstService.Hostname = r.service
+	}
 	if r.secure {
 		c.SecurityPolicy = "mutual_tls"
 	}

@@ -206,6 +206,22 @@ func peerChain(t *testing.T, ns *cluster.NS, addr netip.AddrPort) []*x509.Certif
 	return chain
 }
 
+// metricsText returns node n's Prometheus metrics.
+func metricsText(t *testing.T, n *cluster.Node) string {
+	t.Helper()
+	hc := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DialContext: n.Dial}}
+	resp, err := hc.Get("http://127.0.0.1:15020/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(body)
+}
+
 var authzGVR = schema.GroupVersionResource{Group: "security.istio.io", Version: "v1", Resource: "authorizationpolicies"}
 
 // TestIstiod runs meshtun on two nodes in place of ztunnel, with the mesh
@@ -352,18 +368,9 @@ func TestIstiod(t *testing.T) {
 		if len(dump.Certificates) == 0 || dump.Certificates[0].State != "Available" {
 			t.Errorf("ztunnel config_dump certificates = %+v, want node 1's pod's, Available", dump.Certificates)
 		}
-		hc := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DialContext: n1.Dial}}
-		resp, err := hc.Get("http://127.0.0.1:15020/metrics")
-		if err != nil {
-			t.Fatal(err)
-		}
-		body, err := io.ReadAll(resp.Body)
-		resp.Body.Close()
-		if err != nil {
-			t.Fatal(err)
-		}
+		body := metricsText(t, n1)
 		ok := false
-		for _, l := range strings.Split(string(body), "\n") {
+		for _, l := range strings.Split(body, "\n") {
 			if strings.HasPrefix(l, "istio_tcp_connections_opened_total{") && strings.Contains(l, `reporter="source"`) &&
 				strings.Contains(l, `source_canonical_service="client"`) && strings.Contains(l, `source_canonical_revision="v1"`) &&
 				strings.Contains(l, `destination_canonical_service="server"`) &&
@@ -660,6 +667,20 @@ func TestIstiod(t *testing.T) {
 				ep = p22.IPv6
 			}
 			wantField(t, out, "dst.hbone_addr", netip.AddrPortFrom(ep, 15008).String())
+		}
+		// Istio's destination service labels, from istiod's service.
+		body := metricsText(t, n1)
+		ok := false
+		for _, l := range strings.Split(body, "\n") {
+			if strings.HasPrefix(l, "istio_tcp_connections_opened_total{") && strings.Contains(l, `reporter="source"`) &&
+				strings.Contains(l, `destination_service="web.apps.svc.cluster.local"`) &&
+				strings.Contains(l, `destination_service_name="web"`) && strings.Contains(l, `destination_service_namespace="apps"`) &&
+				strings.Contains(l, `destination_canonical_service="later"`) {
+				ok = true
+			}
+		}
+		if !ok {
+			t.Errorf("no istio_tcp_connections_opened_total series of node 1 for the web service (hostname, name web, namespace apps):\n%s", body)
 		}
 	})
 
