@@ -25,7 +25,9 @@ vet:
 # memory, 28 minutes at nice 19 on this 2-core machine under load 20; etcd
 # about 1 minute; seconds when cached), then runs in about 3 minutes; and
 # istiod's pilot-discovery for the istiod e2e (MESHTUN_TEST_ISTIOD=1; 28
-# minutes cold at nice 19 under load 20, then cached; the e2e ~20 s).
+# minutes cold at nice 19 under load 20, then cached; the e2e ~20 s, plus
+# 2-4 s to link test/interop's istio-hbone-peer, whose packages the interop
+# tests above have already compiled).
 test: vet build image-test
 	$(GO) test -count=1 -timeout 30m $(PKGS)
 	$(GO) test -run '^$$' -fuzz FuzzClassify -fuzztime 200000x ./stack/classify
