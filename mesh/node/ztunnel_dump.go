@@ -248,21 +248,23 @@ func ztRules(rules []policy.Rule) [][][]ztMatch {
 	return out
 }
 
-// ztCerts and ztCert keep ztunnel's snake_case names for certificates
-// (its certificate dump is not renamed to camelCase).
+// ztCerts and ztCert are ztunnel's certificate dump: camelCase, the chain
+// (leaf first) in certChain and the trust roots in rootCerts, which is what
+// istioctl ztunnel-config reads (ztunnel releases before its camelCase
+// rename wrote ca_cert and cert_chain).
 type ztCerts struct {
 	Identity  string   `json:"identity"`
 	State     string   `json:"state"`
-	CACert    []ztCert `json:"ca_cert"`
-	CertChain []ztCert `json:"cert_chain"`
+	CertChain []ztCert `json:"certChain"`
+	RootCerts []ztCert `json:"rootCerts"`
 }
 
 type ztCert struct {
 	// PEM is the base64 of the PEM text, as ztunnel writes it.
 	PEM            string `json:"pem"`
-	SerialNumber   string `json:"serial_number"`
-	ValidFrom      string `json:"valid_from"`
-	ExpirationTime string `json:"expiration_time"`
+	SerialNumber   string `json:"serialNumber"`
+	ValidFrom      string `json:"validFrom"`
+	ExpirationTime string `json:"expirationTime"`
 }
 
 // ztUID is a workload's uid: istiod's, or one of the same form.
@@ -370,7 +372,7 @@ func ztAction(a policy.Action) string {
 // with its chain, Initializing while the first is being issued, or
 // Unavailable with the reason.
 func ztCertsOf(id spiffeid.ID, svids *identity.Source, roots []*x509.Certificate) ztCerts {
-	c := ztCerts{Identity: id.String(), CACert: []ztCert{}, CertChain: []ztCert{}}
+	c := ztCerts{Identity: id.String(), CertChain: []ztCert{}, RootCerts: []ztCert{}}
 	svid, err := svids.SVID(id)
 	switch {
 	case err != nil && strings.Contains(err.Error(), "still being issued"):
@@ -385,7 +387,7 @@ func ztCertsOf(id spiffeid.ID, svids *identity.Source, roots []*x509.Certificate
 		c.CertChain = append(c.CertChain, ztCertOf(cert))
 	}
 	for _, cert := range roots {
-		c.CACert = append(c.CACert, ztCertOf(cert))
+		c.RootCerts = append(c.RootCerts, ztCertOf(cert))
 	}
 	return c
 }

@@ -113,20 +113,20 @@ func TestConfigDumpZtunnelShape(t *testing.T) {
 	if c["identity"] != id.String() || c["state"] != "Available" {
 		t.Errorf("certificate = %v", c)
 	}
-	chain, _ := c["cert_chain"].([]any)
+	chain, _ := c["certChain"].([]any)
 	if len(chain) == 0 {
-		t.Fatalf("no cert_chain in %v", c)
+		t.Fatalf("no certChain in %v", c)
 	}
 	leaf := chain[0].(map[string]any)
 	raw, err := base64.StdEncoding.DecodeString(leaf["pem"].(string))
 	if b, _ := pem.Decode(raw); err != nil || b == nil || b.Type != "CERTIFICATE" {
-		t.Errorf("cert_chain[0].pem is not base64 of a PEM certificate: %v", err)
+		t.Errorf("certChain[0].pem is not base64 of a PEM certificate: %v", err)
 	}
-	if exp, err := time.Parse(time.RFC3339, leaf["expiration_time"].(string)); err != nil || exp.Before(time.Now()) {
-		t.Errorf("expiration_time %v: %v", leaf["expiration_time"], err)
+	if exp, err := time.Parse(time.RFC3339, leaf["expirationTime"].(string)); err != nil || exp.Before(time.Now()) {
+		t.Errorf("expirationTime %v: %v", leaf["expirationTime"], err)
 	}
-	if _, err := time.Parse(time.RFC3339, leaf["valid_from"].(string)); err != nil {
-		t.Errorf("valid_from: %v", err)
+	if _, err := time.Parse(time.RFC3339, leaf["validFrom"].(string)); err != nil {
+		t.Errorf("validFrom: %v", err)
 	}
 
 	// The default stays meshtun's shape, unless the node is configured
