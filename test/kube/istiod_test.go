@@ -1,6 +1,7 @@
 package kube
 
 import (
+	"bytes"
 	"context"
 	"crypto/tls"
 	"crypto/x509"
@@ -9,7 +10,9 @@ import (
 	"net/http"
 	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"testing"
@@ -409,7 +412,7 @@ func TestIstiod(t *testing.T) {
 	})
 
 	t.Run("Istio's own HBONE (pkg/hbone) and meshtun, both with istiod's certificates", func(t *testing.T) {
-		peer := buildIstioPeer(t)
+		peer := buildInterop(t, "istio-hbone-peer")
 		pdir := t.TempDir()
 		// Node 3's credential gets its pods' certificates from istiod's
 		// CA, a CSR each, as ztunnel (and meshtun) ask for them.
@@ -604,6 +607,20 @@ func TestIstiod(t *testing.T) {
 			return l.Str("direction") == "inbound" && l.Str("message") == "connection refused" && strings.Contains(l.Str("error"), "apps/deny-client")
 		})
 		wantField(t, l, "src.identity", spiffe("apps", "client"))
+		// istioctl ztunnel-config's own reader and writer take node 2's
+		// ztunnel-shaped dump: its workloads, the policy with its rule in
+		// ztunnel's nesting, and the certificates' chains.
+		out := istioctlZtunnelConfig(t, buildInterop(t, "ztunnel-config"), n2)
+		for _, want := range []*regexp.Regexp{
+			regexp.MustCompile(`(?m)^apps +server +` + regexp.QuoteMeta(p21.IPv4.String()) + `\S* +\S+ +None +HBONE$`),
+			regexp.MustCompile(`(?m)^apps +deny-client +Deny +WorkloadSelector$`),
+			regexp.MustCompile(`"principals": \[\s*\{\s*"Exact": "cluster.local/ns/apps/sa/client"`),
+			regexp.MustCompile(`(?m)^spiffe://cluster.local/ns/apps/sa/server +Leaf +Available +true `),
+		} {
+			if !want.MatchString(out) {
+				t.Errorf("istioctl ztunnel-config output of node 2 does not match %s:\n%s", want, out)
+			}
+		}
 		dyn, err := dynamic.NewForConfig(cp.AdminConfig)
 		if err != nil {
 			t.Fatal(err)
@@ -707,4 +724,29 @@ func TestIstiod(t *testing.T) {
 		l = waitLog(t, m1, 0, "connection after the restart", accessLine(src))
 		wantField(t, l, "dst.identity", spiffe("apps", "server"))
 	})
+}
+
+// istioctlZtunnelConfig fetches node n's /config_dump?format=ztunnel and
+// returns what test/interop's ztunnel-config (istioctl ztunnel-config's
+// reader and writer) prints for it; the test fails if they refuse it.
+func istioctlZtunnelConfig(t *testing.T, bin string, n *cluster.Node) string {
+	t.Helper()
+	hc := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DialContext: n.Dial}}
+	resp, err := hc.Get("http://127.0.0.1:15000/config_dump?format=ztunnel")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dump, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(bin)
+	cmd.Stdin = bytes.NewReader(dump)
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	if err := cmd.Run(); err != nil {
+		t.Fatalf("istioctl's ztunnel-config refused node %s's dump: %v\n%s", n.Name(), err, stderr.String())
+	}
+	return stdout.String()
 }

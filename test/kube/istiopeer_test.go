@@ -23,21 +23,22 @@ import (
 	"github.com/meshtun/meshtun/test/noderun"
 )
 
-// buildIstioPeer builds test/interop's istio-hbone-peer (Istio's own
-// pkg/hbone as a process) into a temporary directory, in the interop
-// module: that module requires istio.io/istio, this one does not, and the
-// peer compiles nothing the interop tests do not (only its main package is
-// new), so a cold `make test` pays for its link alone.
-func buildIstioPeer(t *testing.T) string {
+// buildInterop builds the command cmd/<name> of test/interop (Istio's own
+// code as a process: istio-hbone-peer, ztunnel-config) into a temporary
+// directory, in the interop module: that module requires istio.io/istio,
+// this one does not, and the commands compile nothing the interop tests
+// do not (only their main packages are new), so a cold `make test` pays
+// for their links alone.
+func buildInterop(t *testing.T, name string) string {
 	t.Helper()
-	bin := filepath.Join(t.TempDir(), "istio-hbone-peer")
+	bin := filepath.Join(t.TempDir(), name)
 	start := time.Now()
-	cmd := exec.Command("go", "build", "-o", bin, "./cmd/istio-hbone-peer")
+	cmd := exec.Command("go", "build", "-o", bin, "./cmd/"+name)
 	cmd.Dir = "../interop"
 	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("build istio-hbone-peer in test/interop: %v\n%s", err, out)
+		t.Fatalf("build %s in test/interop: %v\n%s", name, err, out)
 	}
-	t.Logf("built istio-hbone-peer in %s", time.Since(start).Round(10*time.Millisecond))
+	t.Logf("built %s in %s", name, time.Since(start).Round(10*time.Millisecond))
 	return bin
 }
 
