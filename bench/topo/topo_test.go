@@ -19,6 +19,7 @@ import (
 	"github.com/vishvananda/netlink"
 
 	"github.com/meshtun/meshtun/test/cluster"
+	"github.com/meshtun/meshtun/test/noderun"
 )
 
 // meshtunBin is built once by TestMain for the topology test.
@@ -31,7 +32,7 @@ func TestMain(m *testing.M) {
 		os.Exit(1)
 	}
 	meshtunBin = filepath.Join(dir, "meshtun")
-	build := exec.Command("go", "build", "-o", meshtunBin, "github.com/meshtun/meshtun/cmd/meshtun")
+	build := exec.Command("go", "build", "-tags", noderun.BuildTags, "-o", meshtunBin, "github.com/meshtun/meshtun/cmd/meshtun")
 	build.Stdout, build.Stderr = os.Stderr, os.Stderr
 	if err := build.Run(); err != nil {
 		fmt.Fprintln(os.Stderr, "topo: build meshtun:", err)

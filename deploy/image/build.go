@@ -91,12 +91,17 @@ func ParsePlatforms(s string) ([]Platform, error) {
 	return ps, nil
 }
 
+// buildTags are the build tags of every meshtun build (the Makefile's
+// GOTAGS, test/noderun.BuildTags): grpcnotrace keeps gRPC's x/net/trace,
+// which turns off the linker's dead-code elimination of methods, out.
+const buildTags = "grpcnotrace"
+
 // BuildBinary builds a static, stripped meshtun for p from the module at
 // repo into out, with the flags that make it reproducible: no cgo (static,
 // runs on an empty base), -trimpath (no build paths), no build ID, and the
 // VCS stamp when the checkout has one (`meshtun version` prints it).
 func BuildBinary(ctx context.Context, repo, out string, p Platform) error {
-	args := []string{"build", "-trimpath", "-buildvcs=auto", "-ldflags=-s -w -buildid=", "-o", out, "./cmd/meshtun"}
+	args := []string{"build", "-tags", buildTags, "-trimpath", "-buildvcs=auto", "-ldflags=-s -w -buildid=", "-o", out, "./cmd/meshtun"}
 	cmd := exec.CommandContext(ctx, goCommand(), args...)
 	cmd.Dir = repo
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOOS="+p.OS, "GOARCH="+p.Arch)

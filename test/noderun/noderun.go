@@ -363,6 +363,12 @@ func Uninstall(ctx context.Context, bin string, n *cluster.Node) error {
 	return nil
 }
 
+// BuildTags are the build tags every build of meshtun passes (the
+// Makefile's GOTAGS): grpcnotrace keeps golang.org/x/net/trace, and with it
+// text/template's dynamic method lookup that turns off the linker's
+// dead-code elimination of methods, out of the binary.
+const BuildTags = "grpcnotrace"
+
 // Build builds the meshtun binary of the module rooted at moduleDir (with
 // that module's go.mod and go.sum, so a test module need not carry the
 // product's requirements) into a new temporary directory. remove deletes
@@ -373,7 +379,7 @@ func Build(moduleDir string) (bin string, remove func(), err error) {
 		return "", nil, err
 	}
 	bin = filepath.Join(dir, "meshtun")
-	build := exec.Command("go", "build", "-o", bin, "github.com/meshtun/meshtun/cmd/meshtun")
+	build := exec.Command("go", "build", "-tags", BuildTags, "-o", bin, "github.com/meshtun/meshtun/cmd/meshtun")
 	build.Dir = moduleDir
 	build.Stdout, build.Stderr = os.Stderr, os.Stderr
 	if err := build.Run(); err != nil {

@@ -1,0 +1,46 @@
+package main
+
+import (
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+
+	"github.com/meshtun/meshtun/test/noderun"
+)
+
+// TestBinaryLeavesOut checks that packages that cost the binary its size
+// and its RSS at start stay out of meshtun as every build makes it (with
+// noderun.BuildTags): see docs/ARCHITECTURE.md "What the binary and its RSS
+// at start are made of".
+func TestBinaryLeavesOut(t *testing.T) {
+	out, err := exec.Command("go", "list", "-deps", "-tags", noderun.BuildTags, ".").Output()
+	if err != nil {
+		t.Fatalf("go list: %v", err)
+	}
+	deps := map[string]bool{}
+	for _, p := range strings.Fields(string(out)) {
+		deps[p] = true
+	}
+	if !deps["github.com/meshtun/meshtun/mesh/node"] {
+		t.Fatalf("go list -deps does not list mesh/node: %q", out)
+	}
+	for p, why := range map[string]string{
+		// Its html/template calls reflect.Value.MethodByName with a
+		// name known only at run time: the linker then keeps every
+		// exported method of every reachable type.
+		"golang.org/x/net/trace": "gRPC's tracing (build tag grpcnotrace)",
+		"text/template":          "dynamic method lookup, which turns off the linker's dead-code elimination of methods",
+	} {
+		if deps[p] {
+			t.Errorf("meshtun links %s: %s", p, why)
+		}
+	}
+	mk, err := os.ReadFile("../../Makefile")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(mk), "GOTAGS  := "+noderun.BuildTags+"\n") {
+		t.Errorf("the Makefile's GOTAGS is not noderun.BuildTags (%q)", noderun.BuildTags)
+	}
+}
