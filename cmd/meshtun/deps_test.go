@@ -31,6 +31,10 @@ func TestBinaryLeavesOut(t *testing.T) {
 		// exported method of every reachable type.
 		"golang.org/x/net/trace": "gRPC's tracing (build tag grpcnotrace)",
 		"text/template":          "dynamic method lookup, which turns off the linker's dead-code elimination of methods",
+		// Its init registers every built-in API group: use package
+		// mesh/kube/kubeapi, not client-go's clientset, informer
+		// factory, discovery or typed clients.
+		"k8s.io/client-go/kubernetes/scheme": "all of Kubernetes' API types, registered at start",
 	} {
 		if deps[p] {
 			t.Errorf("meshtun links %s: %s", p, why)

@@ -11,13 +11,13 @@ import (
 
 	"github.com/rs/zerolog"
 	"k8s.io/client-go/dynamic"
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/klog/v2"
 
 	"github.com/meshtun/meshtun/mesh/config"
 	"github.com/meshtun/meshtun/mesh/kube"
+	"github.com/meshtun/meshtun/mesh/kube/kubeapi"
 	"github.com/meshtun/meshtun/mesh/registry"
 )
 
@@ -30,9 +30,9 @@ func startKube(ctx context.Context, kubeconfig, nodeName string, c *config.Confi
 	if err != nil {
 		return nil, nil, err
 	}
-	cs, err := kubernetes.NewForConfig(rc)
+	cs, err := kubeapi.New(rc)
 	if err != nil {
-		return nil, nil, fmt.Errorf("kubernetes: %w", err)
+		return nil, nil, err
 	}
 	dyn, err := dynamic.NewForConfig(rc)
 	if err != nil {
@@ -42,7 +42,7 @@ func startKube(ctx context.Context, kubeconfig, nodeName string, c *config.Confi
 		log.Warn().Str("config", c.Path).Msg("with --kubernetes the workloads and services of the config file are ignored: the API server's pods and services are the mesh")
 	}
 	src := kube.New(kube.Config{
-		Client: cs, Dynamic: dyn, Discovery: cs.Discovery(), Node: nodeName,
+		Client: cs, Dynamic: dyn, Node: nodeName,
 		TrustDomain: c.TrustDomainID(), RootNamespace: c.RootNamespace, DomainSuffix: c.ClusterDomain,
 		PeerAuth: c.DefaultPeerAuth(), Policies: c.Policies(), Logger: log,
 	})
@@ -71,17 +71,13 @@ func restConfig(kubeconfig, nodeName string) (*rest.Config, error) {
 	return rc, nil
 }
 
-// kubeClient is a clientset for restConfig's configuration.
-func kubeClient(kubeconfig, nodeName string) (*kubernetes.Clientset, error) {
+// kubeClient is a client for restConfig's configuration.
+func kubeClient(kubeconfig, nodeName string) (*kubeapi.Client, error) {
 	rc, err := restConfig(kubeconfig, nodeName)
 	if err != nil {
 		return nil, err
 	}
-	cs, err := kubernetes.NewForConfig(rc)
-	if err != nil {
-		return nil, fmt.Errorf("kubernetes: %w", err)
-	}
-	return cs, nil
+	return kubeapi.New(rc)
 }
 
 var klogOnce sync.Once

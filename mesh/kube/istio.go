@@ -8,13 +8,14 @@ import (
 	"sync"
 	"time"
 
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/discovery"
+	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/dynamic"
-	"k8s.io/client-go/dynamic/dynamicinformer"
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/meshtun/meshtun/mesh/config"
@@ -35,8 +36,8 @@ const istioPollInterval = 10 * time.Second
 
 // istio holds the informers on Istio's policy CRDs, once they exist.
 type istio struct {
-	dyn  dynamic.Interface
-	disc discovery.DiscoveryInterface
+	dyn dynamic.Interface
+	api API
 
 	mu     sync.Mutex
 	aps    cache.GenericLister // nil until the CRDs are found
@@ -50,8 +51,8 @@ type parsedPolicy struct {
 }
 
 // installed reports whether the API server serves both Istio resources.
-func (is *istio) installed() bool {
-	rl, err := is.disc.ServerResourcesForGroupVersion(IstioSecurity.String())
+func (is *istio) installed(ctx context.Context) bool {
+	rl, err := is.api.APIResources(ctx, IstioSecurity.String())
 	if err != nil || rl == nil {
 		return false
 	}
@@ -74,7 +75,7 @@ func (s *Source) startIstio(ctx context.Context) []cache.InformerSynced {
 	if is == nil {
 		return nil
 	}
-	if is.installed() {
+	if is.installed(ctx) {
 		return s.watchIstio(ctx)
 	}
 	s.log.Info().Str("group", IstioSecurity.String()).
@@ -88,7 +89,7 @@ func (s *Source) startIstio(ctx context.Context) []cache.InformerSynced {
 				return
 			case <-t.C:
 			}
-			if is.installed() {
+			if is.installed(ctx) {
 				s.log.Info().Str("group", IstioSecurity.String()).Msg("Istio's policy CRDs appeared; watching them")
 				s.watchIstio(ctx)
 				return
@@ -100,21 +101,37 @@ func (s *Source) startIstio(ctx context.Context) []cache.InformerSynced {
 
 func (s *Source) watchIstio(ctx context.Context) []cache.InformerSynced {
 	is := s.istio
-	f := dynamicinformer.NewDynamicSharedInformerFactory(is.dyn, s.cfg.Resync)
-	ap, pa := f.ForResource(AuthorizationPolicies), f.ForResource(PeerAuthentications)
+	ap, pa := is.informer(AuthorizationPolicies, s.cfg.Resync), is.informer(PeerAuthentications, s.cfg.Resync)
 	h := cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(any) { s.changed() },
 		UpdateFunc: func(any, any) { s.changed() },
 		DeleteFunc: func(any) { s.changed() },
 	}
-	ap.Informer().AddEventHandler(h)
-	pa.Informer().AddEventHandler(h)
+	ap.AddEventHandler(h)
+	pa.AddEventHandler(h)
 	is.mu.Lock()
-	is.aps, is.pas = ap.Lister(), pa.Lister()
+	is.aps = cache.NewGenericLister(ap.GetIndexer(), AuthorizationPolicies.GroupResource())
+	is.pas = cache.NewGenericLister(pa.GetIndexer(), PeerAuthentications.GroupResource())
 	is.mu.Unlock()
-	f.Start(ctx.Done())
-	go func() { <-ctx.Done(); f.Shutdown() }()
-	return []cache.InformerSynced{ap.Informer().HasSynced, pa.Informer().HasSynced}
+	runInformers(ctx, ap, pa)
+	return []cache.InformerSynced{ap.HasSynced, pa.HasSynced}
+}
+
+// informer is an informer on resource in all namespaces, through the
+// dynamic client (as client-go's dynamic informer factory builds it).
+func (is *istio) informer(resource schema.GroupVersionResource, resync time.Duration) cache.SharedIndexInformer {
+	r := is.dyn.Resource(resource).Namespace(metav1.NamespaceAll)
+	lw := &cache.ListWatch{
+		ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+			return r.List(ctx, o)
+		},
+		WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+			return r.Watch(ctx, o)
+		},
+	}
+	// The wrapper tells the reflector whether the client can stream the
+	// initial list (WatchList): the fake one of the tests cannot.
+	return newInformer(cache.ToListWatcherWithWatchListSemantics(lw, is.dyn), &unstructured.Unstructured{}, resync)
 }
 
 // policies returns the AuthorizationPolicies as the policy engine's

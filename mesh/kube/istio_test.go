@@ -57,7 +57,7 @@ func TestIstioPolicies(t *testing.T) {
 	dyn := dynfake.NewSimpleDynamicClientWithCustomListKinds(sch, map[schema.GroupVersionResource]string{
 		AuthorizationPolicies: "AuthorizationPolicyList", PeerAuthentications: "PeerAuthenticationList",
 	}, objs...)
-	s := New(Config{Client: cs, Dynamic: dyn, Discovery: cs.Discovery(), Node: "n1",
+	s := New(Config{Client: fakeAPI{cs}, Dynamic: dyn, Node: "n1",
 		TrustDomain: spiffeid.RequireTrustDomainFromString("cluster.local"), Logger: zerolog.Nop()})
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()

@@ -10,8 +10,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/informers"
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 )
 
@@ -31,25 +29,21 @@ const (
 // meshtun captures a pod when istiod's model says so: a pod it has
 // annotated is captured once istiod has seen the annotation.
 type Redirector struct {
-	cs      kubernetes.Interface
-	node    string
-	log     zerolog.Logger
-	pods    cache.SharedIndexInformer
-	nss     cache.SharedIndexInformer
-	factory []informers.SharedInformerFactory
-	dirty   chan struct{}
+	cs    API
+	node  string
+	log   zerolog.Logger
+	pods  cache.SharedIndexInformer
+	nss   cache.SharedIndexInformer
+	dirty chan struct{}
 }
 
 // NewRedirector returns a redirector for node's pods; Run runs it.
-func NewRedirector(cs kubernetes.Interface, node string, log zerolog.Logger) *Redirector {
+func NewRedirector(cs API, node string, log zerolog.Logger) *Redirector {
 	r := &Redirector{cs: cs, node: node, log: log.With().Str("component", "redirector").Logger(), dirty: make(chan struct{}, 1)}
-	podF := informers.NewSharedInformerFactoryWithOptions(cs, 0, informers.WithTweakListOptions(func(o *metav1.ListOptions) {
+	r.pods = newInformer(cs.ListWatch("pods", func(o *metav1.ListOptions) {
 		o.FieldSelector = fields.OneTermEqualSelector("spec.nodeName", node).String()
-	}))
-	nsF := informers.NewSharedInformerFactory(cs, 0)
-	r.pods = podF.Core().V1().Pods().Informer()
-	r.nss = nsF.Core().V1().Namespaces().Informer()
-	r.factory = []informers.SharedInformerFactory{podF, nsF}
+	}), &corev1.Pod{}, 0)
+	r.nss = newInformer(cs.ListWatch("namespaces", nil), &corev1.Namespace{}, 0)
 	h := cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(any) { r.changed() },
 		UpdateFunc: func(any, any) { r.changed() },
@@ -71,10 +65,7 @@ func (r *Redirector) changed() {
 // annotations right until ctx ends. A failed patch is logged and retried
 // on the next change.
 func (r *Redirector) Run(ctx context.Context) {
-	for _, f := range r.factory {
-		f.Start(ctx.Done())
-		defer f.Shutdown()
-	}
+	defer runInformers(ctx, r.pods, r.nss)()
 	if !cache.WaitForCacheSync(ctx.Done(), r.pods.HasSynced, r.nss.HasSynced) {
 		return
 	}
@@ -112,7 +103,7 @@ func (r *Redirector) reconcile(ctx context.Context) {
 			val = "null"
 		}
 		patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:%s}}}`, RedirectionAnnotation, val)
-		_, err := r.cs.CoreV1().Pods(p.Namespace).Patch(ctx, p.Name, types.MergePatchType, []byte(patch), metav1.PatchOptions{})
+		err := r.cs.PatchPod(ctx, p.Namespace, p.Name, types.MergePatchType, []byte(patch))
 		key := p.Namespace + "/" + p.Name
 		if err != nil {
 			r.log.Error().Err(err).Str("pod", key).Bool("redirected", want).Msg("cannot set the pod's redirection annotation")

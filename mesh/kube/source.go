@@ -26,12 +26,12 @@ import (
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/intstr"
-	"k8s.io/client-go/discovery"
 	"k8s.io/client-go/dynamic"
-	"k8s.io/client-go/informers"
-	"k8s.io/client-go/kubernetes"
 	listerscorev1 "k8s.io/client-go/listers/core/v1"
 	listersdiscoveryv1 "k8s.io/client-go/listers/discovery/v1"
 	"k8s.io/client-go/tools/cache"
@@ -47,15 +47,29 @@ const (
 	ModeNone           = "none"
 )
 
+// API is what the source and the Redirector use of the API server:
+// kubeapi.Client on a real one. It is not client-go's clientset, whose
+// scheme registers every built-in API group (see package kubeapi).
+type API interface {
+	// ListWatch lists and watches resource ("pods", "namespaces",
+	// "services", "endpointslices") in all namespaces; tweak, if not nil,
+	// adjusts every request's options.
+	ListWatch(resource string, tweak func(*metav1.ListOptions)) cache.ListerWatcher
+	// PatchPod patches a pod.
+	PatchPod(ctx context.Context, namespace, name string, pt types.PatchType, data []byte) error
+	// APIResources returns the resources served in groupVersion.
+	APIResources(ctx context.Context, groupVersion string) (*metav1.APIResourceList, error)
+}
+
 // Config configures a Source.
 type Config struct {
 	// Client talks to the API server.
-	Client kubernetes.Interface
-	// Dynamic and Discovery, if set, read Istio's AuthorizationPolicy and
+	Client API
+	// Dynamic, if set, reads Istio's AuthorizationPolicy and
 	// PeerAuthentication (security.istio.io/v1) when their CRDs are
-	// installed; without them the CRDs are not read.
-	Dynamic   dynamic.Interface
-	Discovery discovery.DiscoveryInterface
+	// installed (as Client's APIResources says); without it the CRDs are
+	// not read.
+	Dynamic dynamic.Interface
 	// Node is this node's name (for status: which pods are local).
 	Node string
 	// TrustDomain, RootNamespace and DomainSuffix are the registry
@@ -77,12 +91,13 @@ type Config struct {
 type Source struct {
 	cfg     Config
 	log     zerolog.Logger
-	factory informers.SharedInformerFactory
+	infs    []cache.SharedIndexInformer
 	pods    listerscorev1.PodLister
 	nss     listerscorev1.NamespaceLister
 	svcs    listerscorev1.ServiceLister
 	slices  listersdiscoveryv1.EndpointSliceLister
 	synced  []cache.InformerSynced
+	stopped func() // waits until the informers have stopped
 	dirty   chan struct{}
 	updates chan *registry.Snapshot
 	istio   *istio // nil without Config.Dynamic
@@ -122,9 +137,8 @@ func New(cfg Config) *Source {
 	if cfg.RootNamespace == "" {
 		cfg.RootNamespace = registry.DefaultRootNamespace
 	}
-	f := informers.NewSharedInformerFactory(cfg.Client, cfg.Resync)
 	s := &Source{
-		cfg: cfg, log: cfg.Logger.With().Str("source", "kubernetes").Logger(), factory: f,
+		cfg: cfg, log: cfg.Logger.With().Str("source", "kubernetes").Logger(),
 		dirty: make(chan struct{}, 1), updates: make(chan *registry.Snapshot, 1),
 		last: map[string]string{},
 	}
@@ -133,23 +147,39 @@ func New(cfg Config) *Source {
 		UpdateFunc: func(any, any) { s.changed() },
 		DeleteFunc: func(any) { s.changed() },
 	}
-	for _, inf := range []cache.SharedIndexInformer{
-		f.Core().V1().Pods().Informer(),
-		f.Core().V1().Namespaces().Informer(),
-		f.Core().V1().Services().Informer(),
-		f.Discovery().V1().EndpointSlices().Informer(),
-	} {
+	pods := newInformer(cfg.Client.ListWatch("pods", nil), &corev1.Pod{}, cfg.Resync)
+	nss := newInformer(cfg.Client.ListWatch("namespaces", nil), &corev1.Namespace{}, cfg.Resync)
+	svcs := newInformer(cfg.Client.ListWatch("services", nil), &corev1.Service{}, cfg.Resync)
+	slices := newInformer(cfg.Client.ListWatch("endpointslices", nil), &discoveryv1.EndpointSlice{}, cfg.Resync)
+	s.infs = []cache.SharedIndexInformer{pods, nss, svcs, slices}
+	for _, inf := range s.infs {
 		inf.AddEventHandler(h)
 		s.synced = append(s.synced, inf.HasSynced)
 	}
-	if cfg.Dynamic != nil && cfg.Discovery != nil {
-		s.istio = &istio{dyn: cfg.Dynamic, disc: cfg.Discovery}
+	if cfg.Dynamic != nil {
+		s.istio = &istio{dyn: cfg.Dynamic, api: cfg.Client}
 	}
-	s.pods = f.Core().V1().Pods().Lister()
-	s.nss = f.Core().V1().Namespaces().Lister()
-	s.svcs = f.Core().V1().Services().Lister()
-	s.slices = f.Discovery().V1().EndpointSlices().Lister()
+	s.pods = listerscorev1.NewPodLister(pods.GetIndexer())
+	s.nss = listerscorev1.NewNamespaceLister(nss.GetIndexer())
+	s.svcs = listerscorev1.NewServiceLister(svcs.GetIndexer())
+	s.slices = listersdiscoveryv1.NewEndpointSliceLister(slices.GetIndexer())
 	return s
+}
+
+// newInformer is an informer on lw's objects (like obj), indexed by
+// namespace as client-go's informer factory indexes them.
+func newInformer(lw cache.ListerWatcher, obj runtime.Object, resync time.Duration) cache.SharedIndexInformer {
+	return cache.NewSharedIndexInformer(lw, obj, resync, cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc})
+}
+
+// runInformers runs infs until ctx ends; the returned function waits
+// until they have stopped.
+func runInformers(ctx context.Context, infs ...cache.SharedIndexInformer) (wait func()) {
+	var wg sync.WaitGroup
+	for _, inf := range infs {
+		wg.Go(func() { inf.RunWithContext(ctx) })
+	}
+	return wg.Wait
 }
 
 func (s *Source) changed() {
@@ -164,7 +194,7 @@ func (s *Source) changed() {
 // on, until ctx ends, every change produces a new snapshot on Updates;
 // changes that arrive while one is built are folded into the next.
 func (s *Source) Start(ctx context.Context) (*registry.Snapshot, error) {
-	s.factory.Start(ctx.Done())
+	s.stopped = runInformers(ctx, s.infs...)
 	s.log.Info().Msg("waiting for the API server's pods, namespaces, services and endpoint slices")
 	synced := append(s.synced, s.startIstio(ctx)...)
 	if !cache.WaitForCacheSync(ctx.Done(), synced...) {
@@ -188,7 +218,7 @@ func (s *Source) Start(ctx context.Context) (*registry.Snapshot, error) {
 func (s *Source) Updates() <-chan *registry.Snapshot { return s.updates }
 
 func (s *Source) run(ctx context.Context) {
-	defer s.factory.Shutdown()
+	defer s.stopped()
 	for {
 		select {
 		case <-ctx.Done():

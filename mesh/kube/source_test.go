@@ -43,7 +43,7 @@ func ptr[T any](v T) *T { return &v }
 func start(t *testing.T, objs ...runtime.Object) (*Source, *fake.Clientset) {
 	t.Helper()
 	cs := fake.NewClientset(objs...)
-	s := New(Config{Client: cs, Node: "n1", TrustDomain: spiffeid.RequireTrustDomainFromString("cluster.local"), Logger: zerolog.Nop()})
+	s := New(Config{Client: fakeAPI{cs}, Node: "n1", TrustDomain: spiffeid.RequireTrustDomainFromString("cluster.local"), Logger: zerolog.Nop()})
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
 	if _, err := s.Start(ctx); err != nil {

@@ -8,7 +8,6 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
-	"k8s.io/client-go/kubernetes"
 )
 
 // KubeAPI is the TokenReviewer and Pods of KubeMode on a real API server:
@@ -16,14 +15,23 @@ import (
 // and list by spec.nodeName). Its service account needs create on
 // tokenreviews and get, list on pods (deploy/kubernetes/ca.yaml).
 type KubeAPI struct {
-	Client kubernetes.Interface
+	Client KubeClient
+}
+
+// KubeClient is what KubeAPI calls on the API server: kubeapi.Client
+// (not client-go's clientset, whose scheme registers every built-in API
+// group; see package kubeapi).
+type KubeClient interface {
+	CreateTokenReview(ctx context.Context, tr *authv1.TokenReview) (*authv1.TokenReview, error)
+	GetPod(ctx context.Context, namespace, name string) (*corev1.Pod, error)
+	ListPods(ctx context.Context, opts metav1.ListOptions) (*corev1.PodList, error)
 }
 
 // Review implements TokenReviewer.
 func (k KubeAPI) Review(ctx context.Context, token string, audiences []string) (*TokenReview, error) {
-	tr, err := k.Client.AuthenticationV1().TokenReviews().Create(ctx, &authv1.TokenReview{
+	tr, err := k.Client.CreateTokenReview(ctx, &authv1.TokenReview{
 		Spec: authv1.TokenReviewSpec{Token: token, Audiences: audiences},
-	}, metav1.CreateOptions{})
+	})
 	if err != nil {
 		return nil, err
 	}
@@ -42,7 +50,7 @@ func (k KubeAPI) Review(ctx context.Context, token string, audiences []string) (
 
 // Get implements Pods.
 func (k KubeAPI) Get(ctx context.Context, namespace, name string) (*Pod, error) {
-	p, err := k.Client.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
+	p, err := k.Client.GetPod(ctx, namespace, name)
 	if err != nil {
 		return nil, err
 	}
@@ -55,7 +63,7 @@ func (k KubeAPI) OnNode(ctx context.Context, node string) ([]Pod, error) {
 	if node == "" {
 		return nil, fmt.Errorf("no node")
 	}
-	l, err := k.Client.CoreV1().Pods("").List(ctx, metav1.ListOptions{
+	l, err := k.Client.ListPods(ctx, metav1.ListOptions{
 		FieldSelector: fields.OneTermEqualSelector("spec.nodeName", node).String(),
 	})
 	if err != nil {
