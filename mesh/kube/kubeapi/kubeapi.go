@@ -17,6 +17,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"sync"
+	"time"
 
 	authv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -26,6 +27,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/runtime/serializer"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 )
@@ -83,7 +85,9 @@ func New(rc *rest.Config) (*Client, error) {
 
 // ListWatch returns the list and watch of resource ("pods", "namespaces",
 // "services" or "endpointslices") in all namespaces, tweak (if not nil)
-// adjusting every request's options, for an informer.
+// adjusting every request's options, for an informer. As client-go's
+// typed clients do, a watch also ends on the client's side when the
+// options' TimeoutSeconds have passed, should the server not end it.
 func (c *Client) ListWatch(resource string, tweak func(*metav1.ListOptions)) cache.ListerWatcher {
 	rc := c.core
 	if resource == "endpointslices" {
@@ -92,7 +96,21 @@ func (c *Client) ListWatch(resource string, tweak func(*metav1.ListOptions)) cac
 	if tweak == nil {
 		tweak = func(*metav1.ListOptions) {}
 	}
-	return cache.NewFilteredListWatchFromClient(rc, resource, metav1.NamespaceAll, tweak)
+	return &cache.ListWatch{
+		ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+			tweak(&o)
+			return rc.Get().Resource(resource).VersionedParams(&o, metav1.ParameterCodec).Do(ctx).Get()
+		},
+		WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+			tweak(&o)
+			o.Watch = true
+			var timeout time.Duration
+			if o.TimeoutSeconds != nil {
+				timeout = time.Duration(*o.TimeoutSeconds) * time.Second
+			}
+			return rc.Get().Resource(resource).VersionedParams(&o, metav1.ParameterCodec).Timeout(timeout).Watch(ctx)
+		},
+	}
 }
 
 // PatchPod patches a pod.

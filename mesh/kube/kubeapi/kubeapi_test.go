@@ -13,7 +13,9 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/rest"
 )
 
@@ -32,7 +34,11 @@ func fakeServer(t *testing.T, replies map[string]any) (*Client, func() []request
 		mu.Lock()
 		seen = append(seen, request{r.Method, r.URL.Path, r.URL.RawQuery, r.Header.Get("Content-Type"), string(b)})
 		mu.Unlock()
-		reply, ok := replies[r.Method+" "+r.URL.Path]
+		key := r.Method + " " + r.URL.Path
+		if r.URL.Query().Get("watch") == "true" {
+			key = "WATCH " + r.URL.Path
+		}
+		reply, ok := replies[key]
 		if !ok {
 			w.Header().Set("Content-Type", "application/json")
 			w.WriteHeader(http.StatusNotFound)
@@ -72,6 +78,7 @@ func TestRequests(t *testing.T) {
 			Status:   authv1.TokenReviewStatus{Authenticated: true, User: authv1.UserInfo{Username: "system:serviceaccount:x:y"}}},
 		"GET /apis/security.istio.io/v1": metav1.APIResourceList{GroupVersion: "security.istio.io/v1",
 			APIResources: []metav1.APIResource{{Name: "authorizationpolicies"}}},
+		"WATCH /api/v1/pods": metav1.WatchEvent{Type: "ADDED", Object: runtime.RawExtension{Object: &pod}},
 		"GET /apis/discovery.k8s.io/v1/endpointslices": discoveryv1.EndpointSliceList{
 			TypeMeta: metav1.TypeMeta{Kind: "EndpointSliceList", APIVersion: "discovery.k8s.io/v1"},
 			Items:    []discoveryv1.EndpointSlice{{ObjectMeta: metav1.ObjectMeta{Name: "s1", Namespace: "ns"}}}},
@@ -103,6 +110,15 @@ func TestRequests(t *testing.T) {
 	if sl, ok := obj.(*discoveryv1.EndpointSliceList); err != nil || !ok || len(sl.Items) != 1 || sl.Items[0].Name != "s1" {
 		t.Errorf("ListWatch(endpointslices).List = %#v, %v", obj, err)
 	}
+	ts := int64(7)
+	w, err := c.ListWatch("pods", nil).Watch(metav1.ListOptions{TimeoutSeconds: &ts})
+	if err != nil {
+		t.Fatalf("ListWatch(pods).Watch: %v", err)
+	}
+	if ev := <-w.ResultChan(); ev.Type != watch.Added || ev.Object.(*corev1.Pod).Name != "a" {
+		t.Errorf("watch event %+v", ev)
+	}
+	w.Stop()
 
 	want := []request{
 		{method: "GET", path: "/api/v1/namespaces/ns/pods/a"},
@@ -112,6 +128,7 @@ func TestRequests(t *testing.T) {
 		{method: "GET", path: "/apis/security.istio.io/v1"},
 		{method: "GET", path: "/apis/nothere.example/v1"},
 		{method: "GET", path: "/apis/discovery.k8s.io/v1/endpointslices", query: "labelSelector=x%3Dy"},
+		{method: "GET", path: "/api/v1/pods", query: "timeout=7s&timeoutSeconds=7&watch=true"},
 	}
 	got := seen()
 	if len(got) != len(want) {
