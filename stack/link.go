@@ -42,6 +42,19 @@ type OffloadDevice interface {
 	Writev(bufs [][]byte) (int, error)
 }
 
+// BatchDevice is an OffloadDevice that can take a queued packet without
+// waiting and write UDP GSO packets: with it, verbatim UDP datagrams of one
+// flow read back to back are written back as one super-packet (see
+// udpBatch). *tun.Device implements it.
+type BatchDevice interface {
+	OffloadDevice
+	// TryRead reads one packet like Read if one is queued, else returns
+	// 0 and no error at once.
+	TryRead(b []byte) (int, error)
+	// USO reports whether UDP GSO packets may be written.
+	USO() bool
+}
+
 // gsoMaxSize is the largest packet the netstack hands the link endpoint
 // with GSO, and the largest the kernel hands a TUN with TSO (its default
 // gso_max_size): an IP packet of up to 64 KiB.
@@ -65,6 +78,7 @@ type linkEndpoint struct {
 	dev     Device
 	vdev    OffloadDevice // nil if dev is not one
 	vnet    int           // length of the virtio-net header: 0 or tun.VnetHdrLen
+	bdev    BatchDevice   // non-nil: verbatim UDP is coalesced (udpBatch)
 	cls     *classify.Classifier
 	mtu     uint32
 	log     zerolog.Logger
@@ -94,6 +108,9 @@ func newLinkEndpoint(dev Device, cls *classify.Classifier, log zerolog.Logger, s
 	if od, ok := dev.(OffloadDevice); ok {
 		e.vdev = od
 		e.vnet = od.VnetHdrLen()
+		if bd, ok := dev.(BatchDevice); ok && e.vnet > 0 && bd.USO() && !noUDPGSO {
+			e.bdev = bd
+		}
 	}
 	if e.vnet == 0 {
 		log.Info().Msg("TUN without offloads: one packet per read and write, no GSO")
@@ -117,36 +134,89 @@ func (e *linkEndpoint) dispatchLoop() {
 	}
 	// One buffer for the loop's life: a verbatim packet is written back
 	// from it, an intercepted one copied out of it into a view of its own
-	// size for the netstack. Nothing is allocated per packet.
-	buf := make([]byte, e.vnet+size)
-	var vh tun.VnetHdr
+	// size for the netstack. Nothing is allocated per packet. With UDP
+	// coalescing the buffer also holds the batch being gathered (up to
+	// 64 KiB of datagrams) in front of the next read.
+	bufLen := e.vnet + size
+	if e.bdev != nil {
+		bufLen = 2*(e.vnet+size) + udpGSOMaxSegs*(e.vnet+40+udpHeaderLen)
+	}
+	buf := make([]byte, bufLen)
+	var (
+		vh  tun.VnetHdr
+		ub  udpBatch
+		off int // where the next packet is read: after the batch
+	)
 	for {
-		n, err := e.dev.Read(buf)
+		var n int
+		var err error
+		if ub.n > 0 {
+			// The batch waits for more of its flow, but only for
+			// what is queued already.
+			n, err = e.bdev.TryRead(buf[off:])
+			if err == nil && n == 0 {
+				e.flushUDP(&ub)
+				off = 0
+				continue
+			}
+		} else {
+			n, err = e.dev.Read(buf)
+		}
 		if err != nil {
+			e.flushUDP(&ub)
 			if e.stop.Load() || errors.Is(err, os.ErrClosed) {
 				return
 			}
 			e.log.Error().Err(err).Msg("read from TUN failed; data path stopped")
 			return
 		}
+		frame := buf[off : off+n]
 		if n < e.vnet {
 			e.stats.Drops.Add(1)
 			continue
 		}
 		if e.vnet > 0 {
-			vh.Decode(buf) // n >= e.vnet == tun.VnetHdrLen
+			vh.Decode(frame) // n >= e.vnet == tun.VnetHdrLen
 		}
-		pkt := buf[e.vnet:n]
+		pkt := frame[e.vnet:]
 		verdict, reason := e.cls.Inbound(pkt)
-		switch verdict {
-		case classify.Verbatim:
+		if verdict == classify.Verbatim {
+			restoreHop(pkt)
+			if e.bdev != nil {
+				if iphl, ok := udpCandidate(pkt, &vh); ok {
+					if ub.n > 0 && ub.add(pkt, e.vnet, iphl) {
+						off += n
+					} else {
+						if ub.n > 0 {
+							// Another flow: the batch goes first,
+							// and this datagram starts the next
+							// one at the front of the buffer.
+							e.flushUDP(&ub)
+							frame = buf[:copy(buf, frame)]
+						}
+						ub.start(frame, e.vnet, iphl)
+						off = n
+					}
+					if ub.full() || off+e.vnet+size > len(buf) {
+						e.flushUDP(&ub)
+						off = 0
+					}
+					continue
+				}
+				e.flushUDP(&ub) // frame lies after it in buf: untouched
+				off = 0
+			}
 			// Header and all: a GSO packet stays one, a partial
 			// checksum stays partial, for the kernel to finish.
-			restoreHop(pkt)
-			if _, err := e.dev.Write(buf[:n]); err != nil {
+			if _, err := e.dev.Write(frame); err != nil {
 				e.stats.VerbatimWriteErrors.Add(1)
 				e.log.Debug().Err(err).Int("len", n).Msg("verbatim write-back failed")
 			}
+			continue
+		}
+		e.flushUDP(&ub)
+		off = 0
+		switch verdict {
 		case classify.Intercept:
 			e.deliver(pkt, &vh)
 		default:
@@ -154,6 +224,28 @@ func (e *linkEndpoint) dispatchLoop() {
 			e.log.Debug().Stringer("reason", reason).Int("len", n).Msg("packet dropped")
 		}
 	}
+}
+
+// flushUDP writes the pending UDP batch, if any: a lone datagram as it was
+// read, two or more as one UDP GSO super-packet.
+func (e *linkEndpoint) flushUDP(ub *udpBatch) {
+	if ub.n == 0 {
+		return
+	}
+	var err error
+	if ub.n == 1 {
+		_, err = e.dev.Write(ub.first)
+	} else {
+		_, err = e.bdev.Writev(ub.superPacket(e.vnet))
+		if err == nil {
+			e.stats.UDPCoalesced.Add(uint64(ub.n))
+		}
+	}
+	if err != nil {
+		e.stats.VerbatimWriteErrors.Add(uint64(ub.n))
+		e.log.Debug().Err(err).Int("datagrams", ub.n).Msg("verbatim UDP write-back failed")
+	}
+	ub.reset()
 }
 
 // deliver hands an intercepted packet to the netstack, in a view of its

@@ -66,6 +66,7 @@ type Config struct {
 type linkStats struct {
 	Drops               atomic.Uint64 // packets the classifier dropped
 	VerbatimWriteErrors atomic.Uint64 // verbatim packets the TUN refused
+	UDPCoalesced        atomic.Uint64 // verbatim UDP datagrams written back in a GSO super-packet with others
 	BadChecksums        atomic.Uint64 // intercepted packets dropped for a wrong checksum
 	PendingDrops        atomic.Uint64 // SYNs dropped: their source had its share of pending requests
 }
@@ -219,6 +220,7 @@ func (st *Stack) Close() {
 type Counters struct {
 	Drops               uint64 // packets the classifier dropped
 	VerbatimWriteErrors uint64 // verbatim packets the TUN refused
+	UDPCoalesced        uint64 // verbatim UDP datagrams written back in a UDP GSO super-packet with others
 	BadChecksums        uint64 // intercepted packets dropped for a wrong checksum
 	TCPRetransmits      uint64 // segments the netstack's TCP retransmitted
 	ForwarderDrops      uint64 // SYNs dropped: too many connections pending
@@ -233,6 +235,7 @@ func (st *Stack) Stats() Counters {
 	c := Counters{
 		Drops:               st.stats.Drops.Load(),
 		VerbatimWriteErrors: st.stats.VerbatimWriteErrors.Load(),
+		UDPCoalesced:        st.stats.UDPCoalesced.Load(),
 		BadChecksums:        st.stats.BadChecksums.Load(),
 		TCPRetransmits:      tcp.Retransmits.Value(),
 		ForwarderDrops:      tcp.ForwardMaxInFlightDrop.Value(),

@@ -62,6 +62,7 @@ type Device struct {
 	index    int
 	mtu      int
 	vnet     bool
+	uso      bool     // USO4/6 negotiated: UDP GSO packets may be read and written
 	offloads string   // for logs: "csum,tso4,…" or "none"
 	file     *os.File // keeps the descriptor alive; never read through water
 	raw      syscall.RawConn
@@ -99,9 +100,9 @@ func Open(cfg Config) (*Device, error) {
 
 	d := &Device{mtu: cfg.MTU, offloads: "none"}
 	if !cfg.NoOffload {
-		f, name, offloads, err := openVnet(cfg.Name)
+		f, name, offloads, uso, err := openVnet(cfg.Name)
 		if err == nil {
-			d.file, d.name, d.vnet, d.offloads = f, name, true, offloads
+			d.file, d.name, d.vnet, d.uso, d.offloads = f, name, true, uso, offloads
 		} else {
 			cfg.Logger.Warn().Err(err).Str("tun", cfg.Name).
 				Msg("TUN offloads unavailable: one packet per read and write, no TSO/GSO")
@@ -137,10 +138,10 @@ func Open(cfg Config) (*Device, error) {
 
 // openVnet creates the TUN with IFF_VNET_HDR and switches its offloads on.
 // water cannot set IFF_VNET_HDR, so this path opens /dev/net/tun itself.
-func openVnet(name string) (f *os.File, ifname, offloads string, err error) {
+func openVnet(name string) (f *os.File, ifname, offloads string, uso bool, err error) {
 	fd, err := unix.Open("/dev/net/tun", unix.O_RDWR|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
 	if err != nil {
-		return nil, "", "", fmt.Errorf("tun: open /dev/net/tun: %w", err)
+		return nil, "", "", false, fmt.Errorf("tun: open /dev/net/tun: %w", err)
 	}
 	defer func() {
 		if err != nil {
@@ -149,29 +150,30 @@ func openVnet(name string) (f *os.File, ifname, offloads string, err error) {
 	}()
 	ifr, err := unix.NewIfreq(name)
 	if err != nil {
-		return nil, "", "", fmt.Errorf("tun: interface name %q: %w", name, err)
+		return nil, "", "", false, fmt.Errorf("tun: interface name %q: %w", name, err)
 	}
 	ifr.SetUint16(unix.IFF_TUN | unix.IFF_NO_PI | unix.IFF_VNET_HDR)
 	if err := unix.IoctlIfreq(fd, unix.TUNSETIFF, ifr); err != nil {
-		return nil, "", "", fmt.Errorf("tun: TUNSETIFF %q with IFF_VNET_HDR: %w", name, err)
+		return nil, "", "", false, fmt.Errorf("tun: TUNSETIFF %q with IFF_VNET_HDR: %w", name, err)
 	}
 	if err := unix.IoctlSetPointerInt(fd, unix.TUNSETVNETHDRSZ, VnetHdrLen); err != nil {
-		return nil, "", "", fmt.Errorf("tun: TUNSETVNETHDRSZ %d on %q: %w", VnetHdrLen, name, err)
+		return nil, "", "", false, fmt.Errorf("tun: TUNSETVNETHDRSZ %d on %q: %w", VnetHdrLen, name, err)
 	}
 	flags := offloadFlags | offloadUSO
 	if err := unix.IoctlSetInt(fd, unix.TUNSETOFFLOAD, flags); err != nil {
 		flags = offloadFlags
 		if err2 := unix.IoctlSetInt(fd, unix.TUNSETOFFLOAD, flags); err2 != nil {
-			return nil, "", "", fmt.Errorf("tun: TUNSETOFFLOAD %#x on %q: %w (with USO: %v)", flags, name, err2, err)
+			return nil, "", "", false, fmt.Errorf("tun: TUNSETOFFLOAD %#x on %q: %w (with USO: %v)", flags, name, err2, err)
 		}
 	}
 	offloads = "csum,tso4,tso6,tso-ecn"
-	if flags&offloadUSO != 0 {
+	uso = flags&offloadUSO != 0
+	if uso {
 		offloads += ",uso4,uso6"
 	}
 	// O_NONBLOCK makes os.NewFile register the descriptor with the
 	// runtime poller.
-	return os.NewFile(uintptr(fd), "/dev/net/tun"), ifr.Name(), offloads, nil
+	return os.NewFile(uintptr(fd), "/dev/net/tun"), ifr.Name(), offloads, uso, nil
 }
 
 func (d *Device) configure(cfg Config) error {
@@ -219,6 +221,11 @@ func (d *Device) VnetHdrLen() int {
 // Offloads names the offloads in use, "none" without: for logs.
 func (d *Device) Offloads() string { return d.offloads }
 
+// USO reports whether the kernel took the UDP segmentation offloads
+// (TUN_F_USO4|TUN_F_USO6, Linux 6.2): packets read may then be UDP GSO
+// super-packets (GSOUDPL4), and such packets may be written.
+func (d *Device) USO() bool { return d.uso }
+
 // Read reads one packet (with its virtio-net header when VnetHdrLen() > 0)
 // into b and returns its length. It blocks, parking the goroutine in the
 // runtime poller, not an OS thread, until a packet is available or the
@@ -231,6 +238,21 @@ func (d *Device) Read(b []byte) (int, error) {
 	o := d.op(opRead)
 	o.b = b
 	return d.run(o, d.raw.Read)
+}
+
+// TryRead reads one packet into b, like Read, if one is queued, and
+// returns 0 and no error at once if none is: it never parks the goroutine.
+// A reader uses it to take the packets that arrived meanwhile after a Read
+// before it writes anything (see stack's UDP coalescing). It does not
+// allocate.
+func (d *Device) TryRead(b []byte) (int, error) {
+	if len(b) == 0 {
+		return 0, nil
+	}
+	o := d.op(opTryRead)
+	o.b = b
+	// Control, not Read: one attempt, without the poller.
+	return d.finish(o, d.raw.Control(o.ctl))
 }
 
 // Write writes one packet (with its virtio-net header when VnetHdrLen() >
@@ -275,12 +297,14 @@ type op struct {
 	n     int
 	errno unix.Errno
 	fn    func(fd uintptr) bool // o.do, bound once
+	ctl   func(fd uintptr)      // o.do for RawConn.Control, bound once
 }
 
 const (
 	opRead = iota
 	opWrite
 	opWritev
+	opTryRead // a read that reports "nothing queued" (n = 0) instead of waiting
 )
 
 func (d *Device) op(kind int) *op {
@@ -288,6 +312,7 @@ func (d *Device) op(kind int) *op {
 	if o == nil {
 		o = &op{}
 		o.fn = o.do
+		o.ctl = func(fd uintptr) { o.do(fd) }
 	}
 	o.kind = kind
 	return o
@@ -296,7 +321,12 @@ func (d *Device) op(kind int) *op {
 // run performs o through the poller method rw (raw.Read or raw.Write) and
 // returns o to the pool.
 func (d *Device) run(o *op, rw func(func(uintptr) bool) error) (int, error) {
-	err := rw(o.fn)
+	return d.finish(o, rw(o.fn))
+}
+
+// finish returns o's outcome, given the poller's error err, and returns o
+// to the pool.
+func (d *Device) finish(o *op, err error) (int, error) {
 	n := o.n
 	if err == nil && o.errno != 0 {
 		err = o.errno
@@ -324,7 +354,7 @@ func (o *op) do(fd uintptr) bool {
 	var r uintptr
 	var e unix.Errno
 	switch o.kind {
-	case opRead:
+	case opRead, opTryRead:
 		r, _, e = unix.RawSyscall(unix.SYS_READ, fd, uintptr(unsafe.Pointer(&o.b[0])), uintptr(len(o.b)))
 	case opWrite:
 		r, _, e = unix.RawSyscall(unix.SYS_WRITE, fd, uintptr(unsafe.Pointer(&o.b[0])), uintptr(len(o.b)))
@@ -333,6 +363,10 @@ func (o *op) do(fd uintptr) bool {
 	}
 	switch e {
 	case unix.EAGAIN:
+		if o.kind == opTryRead {
+			o.n, o.errno = 0, 0
+			return true
+		}
 		return false
 	case unix.EINTR:
 		return o.do(fd)

@@ -31,6 +31,9 @@ type DataPlaneStats struct {
 	TCPRetransmits      uint64 // netstack TCP segments retransmitted
 	ForwarderDrops      uint64 // SYNs dropped: too many connections pending
 	VerbatimWriteErrors uint64 // verbatim packets the TUN refused
+	// UDPCoalesced counts verbatim UDP datagrams written back into the
+	// TUN in a UDP GSO super-packet with others of their flow.
+	UDPCoalesced uint64
 	// AcksElided and AcksDelayed count the netstack's pure ACKs held back
 	// (node --ack-delay): superseded by a later packet of the flow, or
 	// written once the delay passed.
@@ -75,6 +78,7 @@ var (
 	descFwdDrops  = prometheus.NewDesc("meshtun_netstack_forwarder_drops_total", "New connections dropped because too many were pending, in all or from their source.", nil, nil)
 	descAcksHeld  = prometheus.NewDesc("meshtun_netstack_acks_held_total", "Pure ACKs of the netstack held back (--ack-delay), by outcome: elided (a later packet of the flow carried the acknowledgment) or written (the delay passed).", []string{"outcome"}, nil)
 	descWriteErrs = prometheus.NewDesc("meshtun_verbatim_write_errors_total", "Verbatim packets the TUN refused.", nil, nil)
+	descUDPGSO    = prometheus.NewDesc("meshtun_verbatim_udp_coalesced_total", "Verbatim UDP datagrams written back in one UDP GSO super-packet with others of their flow.", nil, nil)
 	descPoolConns = prometheus.NewDesc("meshtun_hbone_pool_connections", "Outbound HBONE connections in the pool.", nil, nil)
 	descPoolStrms = prometheus.NewDesc("meshtun_hbone_pool_streams", "Outbound HBONE streams open.", nil, nil)
 	descSrvConns  = prometheus.NewDesc("meshtun_hbone_server_connections", "Inbound HBONE connections being served.", nil, nil)
@@ -88,7 +92,7 @@ var (
 
 func (d *dataPlane) Describe(ch chan<- *prometheus.Desc) {
 	for _, desc := range []*prometheus.Desc{descPackets, descBytes, descDrops, descPktDrops, descOutbound, descFlows, descInserted, descExpired,
-		descHalfOpen, descUnknown, descRetrans, descFwdDrops, descAcksHeld, descWriteErrs, descPoolConns, descPoolStrms, descSrvConns, descInbound, descExpiry,
+		descHalfOpen, descUnknown, descRetrans, descFwdDrops, descAcksHeld, descWriteErrs, descUDPGSO, descPoolConns, descPoolStrms, descSrvConns, descInbound, descExpiry,
 		descRenewals, descRenewFail, descFailing, descValid} {
 		ch <- desc
 	}
@@ -125,6 +129,7 @@ func (d *dataPlane) Collect(ch chan<- prometheus.Metric) {
 	counter(descAcksHeld, s.AcksElided, "elided")
 	counter(descAcksHeld, s.AcksDelayed, "written")
 	counter(descWriteErrs, s.VerbatimWriteErrors)
+	counter(descUDPGSO, s.UDPCoalesced)
 	gauge(descPoolConns, float64(s.HBONEConns))
 	gauge(descPoolStrms, float64(s.HBONEStreams))
 	gauge(descSrvConns, float64(s.HBONEServerConns))

@@ -404,7 +404,7 @@ func (n *node) dataPlaneStats() metrics.DataPlaneStats {
 		Flows: cs.Flows, FlowsInserted: cs.FlowsInserted, FlowsExpired: cs.FlowsExpired,
 		FlowsHalfOpen: cs.HalfOpen, UnknownIntercepted: cs.UnknownIntercepted,
 		TCPRetransmits: ss.TCPRetransmits, ForwarderDrops: ss.ForwarderDrops + ss.PendingDrops,
-		VerbatimWriteErrors: ss.VerbatimWriteErrors, AcksElided: ss.AcksElided, AcksDelayed: ss.AcksDelayed,
+		VerbatimWriteErrors: ss.VerbatimWriteErrors, UDPCoalesced: ss.UDPCoalesced, AcksElided: ss.AcksElided, AcksDelayed: ss.AcksDelayed,
 		HBONEConns: ps.Conns, HBONEStreams: ps.Streams, HBONEServerConns: n.hs.OpenConns(),
 		Drops: map[string]uint64{},
 		PacketDrops: map[string]uint64{
