@@ -1,11 +1,13 @@
 package tun
 
 import (
+	"errors"
 	"net"
 	"os"
 	"runtime"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
@@ -139,5 +141,74 @@ func TestReadWriteNoAlloc(t *testing.T) {
 	}
 	if a := testing.AllocsPerRun(200, roundTrip); a != 0 {
 		t.Fatalf("%.1f allocations per read + write + writev, want 0", a)
+	}
+}
+
+// TestTryRead: TryRead returns 0 at once when nothing is queued, takes the
+// packets the kernel queued in order, does not allocate, and fails on a
+// closed device. The device reports USO on this kernel (6.2+).
+func TestTryRead(t *testing.T) {
+	inNewNetns(t)
+	d, err := Open(Config{Name: "mt0"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	if !d.USO() || !strings.Contains(d.Offloads(), "uso4") {
+		t.Fatalf("USO %v, offloads %q: want USO on a 6.2+ kernel", d.USO(), d.Offloads())
+	}
+	buf := make([]byte, VnetHdrLen+65536)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if n, err := d.TryRead(buf); n != 0 || err != nil {
+			t.Errorf("TryRead on an empty queue: %d, %v; want 0, nil", n, err)
+		}
+	}()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("TryRead on an empty queue did not return")
+	}
+	if err := netlink.RouteAdd(&netlink.Route{LinkIndex: d.Index(), Dst: &net.IPNet{IP: net.IPv4(10, 9, 1, 0), Mask: net.CIDRMask(24, 32)}}); err != nil {
+		t.Fatal(err)
+	}
+	s, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(s)
+	if err := unix.Connect(s, &unix.SockaddrInet4{Addr: [4]byte{10, 9, 1, 2}, Port: 9}); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 3 {
+		if _, err := unix.Write(s, make([]byte, 100+i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i := range 3 {
+		n, err := d.TryRead(buf)
+		if err != nil || n != VnetHdrLen+28+100+i {
+			t.Fatalf("TryRead %d: %d bytes, %v; want the queued %d-byte datagram", i, n, err, 100+i)
+		}
+	}
+	if n, err := d.TryRead(buf); n != 0 || err != nil {
+		t.Fatalf("TryRead after the queue emptied: %d, %v", n, err)
+	}
+	try := func() {
+		if _, err := unix.Write(s, make([]byte, 100)); err != nil {
+			t.Fatal(err)
+		}
+		if n, err := d.TryRead(buf); n == 0 || err != nil {
+			t.Fatalf("TryRead: %d, %v", n, err)
+		}
+		d.TryRead(buf) // empty
+	}
+	if a := testing.AllocsPerRun(200, try); a != 0 {
+		t.Fatalf("%.1f allocations per TryRead pair, want 0", a)
+	}
+	d.Close()
+	if _, err := d.TryRead(buf); !errors.Is(err, os.ErrClosed) {
+		t.Fatalf("TryRead on a closed device: %v, want os.ErrClosed", err)
 	}
 }
