@@ -118,41 +118,16 @@ func newLinkEndpoint(dev Device, cls *classify.Classifier, log zerolog.Logger, s
 	return e
 }
 
-// MultiQueueDevice is a Device with several queues (a multi-queue TUN):
-// the link endpoint runs a reader on each, and writes a verbatim packet
-// back through the queue it was read from. *tun.Device implements it.
-type MultiQueueDevice interface {
-	Queues() []*tun.Device
-}
-
-// start runs the dispatch loops until the device is closed: one per queue
-// of a multi-queue device (MESHTUN_TUN_QUEUES), else one.
+// start runs the dispatch loop until the device is closed.
 func (e *linkEndpoint) start() {
-	queues := []Device{e.dev}
-	if mq, ok := e.dev.(MultiQueueDevice); ok {
-		if qs := mq.Queues(); len(qs) > 1 {
-			queues = queues[:0]
-			for _, q := range qs {
-				queues = append(queues, q)
-			}
-		}
-	}
-	for _, q := range queues {
-		e.wg.Add(1)
-		go func() {
-			defer e.wg.Done()
-			e.dispatchLoop(q)
-		}()
-	}
+	e.wg.Add(1)
+	go func() {
+		defer e.wg.Done()
+		e.dispatchLoop()
+	}()
 }
 
-// dispatchLoop reads packets from rd (the device or one of its queues) and
-// writes verbatim ones back through it.
-func (e *linkEndpoint) dispatchLoop(rd Device) {
-	var bd BatchDevice
-	if e.bdev != nil {
-		bd, _ = rd.(BatchDevice)
-	}
+func (e *linkEndpoint) dispatchLoop() {
 	size := int(e.mtu)
 	if e.vnet > 0 {
 		size = maxReadSize
@@ -163,7 +138,7 @@ func (e *linkEndpoint) dispatchLoop(rd Device) {
 	// coalescing the buffer also holds the batch being gathered (up to
 	// 64 KiB of datagrams) in front of the next read.
 	bufLen := e.vnet + size
-	if bd != nil {
+	if e.bdev != nil {
 		bufLen = 2*(e.vnet+size) + udpGSOMaxSegs*(e.vnet+40+udpHeaderLen)
 	}
 	buf := make([]byte, bufLen)
@@ -178,17 +153,17 @@ func (e *linkEndpoint) dispatchLoop(rd Device) {
 		if ub.n > 0 {
 			// The batch waits for more of its flow, but only for
 			// what is queued already.
-			n, err = bd.TryRead(buf[off:])
+			n, err = e.bdev.TryRead(buf[off:])
 			if err == nil && n == 0 {
-				e.flushUDP(&ub, bd)
+				e.flushUDP(&ub)
 				off = 0
 				continue
 			}
 		} else {
-			n, err = rd.Read(buf)
+			n, err = e.dev.Read(buf)
 		}
 		if err != nil {
-			e.flushUDP(&ub, bd)
+			e.flushUDP(&ub)
 			if e.stop.Load() || errors.Is(err, os.ErrClosed) {
 				return
 			}
@@ -207,7 +182,7 @@ func (e *linkEndpoint) dispatchLoop(rd Device) {
 		verdict, reason := e.cls.Inbound(pkt)
 		if verdict == classify.Verbatim {
 			restoreHop(pkt)
-			if bd != nil {
+			if e.bdev != nil {
 				if iphl, ok := udpCandidate(pkt, &vh); ok {
 					if ub.n > 0 && ub.add(pkt, e.vnet, iphl) {
 						off += n
@@ -216,30 +191,30 @@ func (e *linkEndpoint) dispatchLoop(rd Device) {
 							// Another flow: the batch goes first,
 							// and this datagram starts the next
 							// one at the front of the buffer.
-							e.flushUDP(&ub, bd)
+							e.flushUDP(&ub)
 							frame = buf[:copy(buf, frame)]
 						}
 						ub.start(frame, e.vnet, iphl)
 						off = n
 					}
 					if ub.full() || off+e.vnet+size > len(buf) {
-						e.flushUDP(&ub, bd)
+						e.flushUDP(&ub)
 						off = 0
 					}
 					continue
 				}
-				e.flushUDP(&ub, bd) // frame lies after it in buf: untouched
+				e.flushUDP(&ub) // frame lies after it in buf: untouched
 				off = 0
 			}
 			// Header and all: a GSO packet stays one, a partial
 			// checksum stays partial, for the kernel to finish.
-			if _, err := rd.Write(frame); err != nil {
+			if _, err := e.dev.Write(frame); err != nil {
 				e.stats.VerbatimWriteErrors.Add(1)
 				e.log.Debug().Err(err).Int("len", n).Msg("verbatim write-back failed")
 			}
 			continue
 		}
-		e.flushUDP(&ub, bd)
+		e.flushUDP(&ub)
 		off = 0
 		switch verdict {
 		case classify.Intercept:
@@ -253,15 +228,15 @@ func (e *linkEndpoint) dispatchLoop(rd Device) {
 
 // flushUDP writes the pending UDP batch, if any: a lone datagram as it was
 // read, two or more as one UDP GSO super-packet.
-func (e *linkEndpoint) flushUDP(ub *udpBatch, bd BatchDevice) {
+func (e *linkEndpoint) flushUDP(ub *udpBatch) {
 	if ub.n == 0 {
 		return
 	}
 	var err error
 	if ub.n == 1 {
-		_, err = bd.Write(ub.first)
+		_, err = e.dev.Write(ub.first)
 	} else {
-		_, err = bd.Writev(ub.superPacket(e.vnet))
+		_, err = e.bdev.Writev(ub.superPacket(e.vnet))
 		if err == nil {
 			e.stats.UDPCoalesced.Add(uint64(ub.n))
 		}

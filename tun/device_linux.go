@@ -35,9 +35,6 @@ type Config struct {
 	// and falls back to the plain mode, with a warning in Logger, if the
 	// kernel refuses them.
 	NoOffload bool
-	// Queues is the number of TUN queues (IFF_MULTI_QUEUE, one descriptor
-	// each, see Device.Queues); 0 or 1 means one. Only with offloads.
-	Queues int
 	// Logger receives the fallback warning; the zero value discards it.
 	Logger zerolog.Logger
 }
@@ -71,7 +68,6 @@ type Device struct {
 	raw      syscall.RawConn
 	closed   atomic.Bool
 	ops      sync.Pool // of *op
-	queues   []*Device // with IFF_MULTI_QUEUE: every queue, this one first
 }
 
 // Open creates the TUN device, sets its MTU and queue length and brings it
@@ -104,15 +100,9 @@ func Open(cfg Config) (*Device, error) {
 
 	d := &Device{mtu: cfg.MTU, offloads: "none"}
 	if !cfg.NoOffload {
-		f, name, offloads, uso, err := openVnet(cfg.Name, cfg.Queues > 1)
+		f, name, offloads, uso, err := openVnet(cfg.Name)
 		if err == nil {
 			d.file, d.name, d.vnet, d.uso, d.offloads = f, name, true, uso, offloads
-			if cfg.Queues > 1 {
-				if err := d.openQueues(cfg.Queues); err != nil {
-					d.file.Close()
-					return nil, err
-				}
-			}
 		} else {
 			cfg.Logger.Warn().Err(err).Str("tun", cfg.Name).
 				Msg("TUN offloads unavailable: one packet per read and write, no TSO/GSO")
@@ -143,15 +133,12 @@ func Open(cfg Config) (*Device, error) {
 		d.Close()
 		return nil, err
 	}
-	for _, q := range d.queues {
-		q.index = d.index
-	}
 	return d, nil
 }
 
 // openVnet creates the TUN with IFF_VNET_HDR and switches its offloads on.
 // water cannot set IFF_VNET_HDR, so this path opens /dev/net/tun itself.
-func openVnet(name string, multi bool) (f *os.File, ifname, offloads string, uso bool, err error) {
+func openVnet(name string) (f *os.File, ifname, offloads string, uso bool, err error) {
 	fd, err := unix.Open("/dev/net/tun", unix.O_RDWR|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
 	if err != nil {
 		return nil, "", "", false, fmt.Errorf("tun: open /dev/net/tun: %w", err)
@@ -165,11 +152,7 @@ func openVnet(name string, multi bool) (f *os.File, ifname, offloads string, uso
 	if err != nil {
 		return nil, "", "", false, fmt.Errorf("tun: interface name %q: %w", name, err)
 	}
-	tf := uint16(unix.IFF_TUN | unix.IFF_NO_PI | unix.IFF_VNET_HDR)
-	if multi {
-		tf |= unix.IFF_MULTI_QUEUE
-	}
-	ifr.SetUint16(tf)
+	ifr.SetUint16(unix.IFF_TUN | unix.IFF_NO_PI | unix.IFF_VNET_HDR)
 	if err := unix.IoctlIfreq(fd, unix.TUNSETIFF, ifr); err != nil {
 		return nil, "", "", false, fmt.Errorf("tun: TUNSETIFF %q with IFF_VNET_HDR: %w", name, err)
 	}
@@ -191,46 +174,6 @@ func openVnet(name string, multi bool) (f *os.File, ifname, offloads string, uso
 	// O_NONBLOCK makes os.NewFile register the descriptor with the
 	// runtime poller.
 	return os.NewFile(uintptr(fd), "/dev/net/tun"), ifr.Name(), offloads, uso, nil
-}
-
-// openQueues attaches n-1 more queues to the multi-queue device d.
-func (d *Device) openQueues(n int) error {
-	d.queues = []*Device{d}
-	for range n - 1 {
-		fd, err := unix.Open("/dev/net/tun", unix.O_RDWR|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
-		if err != nil {
-			return fmt.Errorf("tun: open /dev/net/tun: %w", err)
-		}
-		ifr, err := unix.NewIfreq(d.name)
-		if err != nil {
-			unix.Close(fd)
-			return err
-		}
-		ifr.SetUint16(unix.IFF_TUN | unix.IFF_NO_PI | unix.IFF_VNET_HDR | unix.IFF_MULTI_QUEUE)
-		if err := unix.IoctlIfreq(fd, unix.TUNSETIFF, ifr); err != nil {
-			unix.Close(fd)
-			return fmt.Errorf("tun: TUNSETIFF queue of %q: %w", d.name, err)
-		}
-		f := os.NewFile(uintptr(fd), "/dev/net/tun")
-		raw, err := f.SyscallConn()
-		if err != nil {
-			f.Close()
-			return err
-		}
-		d.queues = append(d.queues, &Device{name: d.name, mtu: d.mtu, vnet: d.vnet, uso: d.uso, offloads: d.offloads, file: f, raw: raw})
-	}
-	return nil
-}
-
-// Queues returns the device's queues, itself first: with Config.Queues > 1
-// each has a descriptor of its own, to be read by a reader of its own (the
-// kernel puts a flow's packets on one queue: the one that last wrote a
-// packet of it, else one chosen by the flow's hash).
-func (d *Device) Queues() []*Device {
-	if len(d.queues) == 0 {
-		return []*Device{d}
-	}
-	return d.queues
 }
 
 func (d *Device) configure(cfg Config) error {
@@ -435,9 +378,6 @@ func (o *op) do(fd uintptr) bool {
 // Close closes the descriptor, which removes the (non-persistent) device and
 // every route through it. Blocked reads return os.ErrClosed.
 func (d *Device) Close() error {
-	for _, q := range d.queues[min(1, len(d.queues)):] {
-		q.Close()
-	}
 	d.closed.Store(true)
 	return d.file.Close()
 }

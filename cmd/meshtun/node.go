@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"os"
 	"runtime"
-	"strconv"
 	"strings"
 	"time"
 
@@ -154,7 +153,7 @@ func runNode(ctx context.Context, args []string) error {
 	}
 	ncfg := node.Config{
 		Name:             nc.Name,
-		TUN:              tun.Config{Name: nc.TUN.Name, MTU: nc.TUN.MTU, TxQueueLen: nc.TUN.TxQueueLen, Queues: tunQueues()},
+		TUN:              tun.Config{Name: nc.TUN.Name, MTU: nc.TUN.MTU, TxQueueLen: nc.TUN.TxQueueLen},
 		CaptureLinks:     links,
 		Mesh:             mesh,
 		CA:               identity.CAConfig{Dir: c.CA.Dir, SVIDTTL: c.CA.SVIDTTL},
@@ -306,11 +305,4 @@ func readToken(path string) (string, error) {
 		return "", fmt.Errorf("CA token: %s is empty", path)
 	}
 	return t, nil
-}
-
-// tunQueues is MESHTUN_TUN_QUEUES (experimental: multi-queue TUN A/B), 0
-// if unset or not a number.
-func tunQueues() int {
-	n, _ := strconv.Atoi(os.Getenv("MESHTUN_TUN_QUEUES"))
-	return n
 }
