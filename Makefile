@@ -20,8 +20,9 @@ vet:
 	$(GO) vet $(PKGS)
 
 # test runs everything CI runs: vet, unit tests, a short fuzz pass over the
-# packet classifier, and the end-to-end tests on the network-namespace
-# cluster (these need root and /dev/net/tun; they fail, not skip, without),
+# packet classifier and the UDP super-packet builder, and the end-to-end
+# tests on the network-namespace cluster (these need root and
+# /dev/net/tun; they fail, not skip, without),
 # the Istio interop tests, the SPIRE tests (SPIRE is built once, ~30
 # minutes on a busy 2-core machine, and cached in ~/.cache/meshtun-test) and
 # the container image's checks (image-test: about 25 s warm, 4 minutes
@@ -40,6 +41,7 @@ vet:
 test: vet build image-test
 	$(GO) test -count=1 -timeout 30m $(PKGS)
 	$(GO) test -run '^$$' -fuzz FuzzClassify -fuzztime 200000x ./stack/classify
+	$(GO) test -run '^$$' -fuzz FuzzUDPBatch -fuzztime 100000x ./stack
 	cd test/interop && $(GO) vet ./... && $(GO) test -count=1 -timeout 10m ./...
 	cd test/spire && $(GO) vet ./... && $(GO) test -count=1 -timeout 30m ./...
 	cd test/kube && $(GO) vet ./... && MESHTUN_TEST_ISTIOD=1 $(GO) test -count=1 -timeout 90m ./...

@@ -21,8 +21,10 @@ import (
 // back the bytes that were read:
 //
 //   - a plain datagram (no GSO) with a partial checksum (NEEDS_CSUM at the
-//     UDP checksum field): its checksum is computed on the way out either
-//     way, so it is never made valid where it was not;
+//     UDP checksum field, holding the pseudo-header sum): its checksum is
+//     computed on the way out either way, so it is never made valid where
+//     it was not; for IPv4 a valid header checksum (each segment gets a
+//     new one);
 //   - IPv4 without options and not a fragment, or IPv6 with UDP right after
 //     the fixed header; the length fields agree with the packet;
 //   - the same addresses, ports, TTL or hop limit, TOS or traffic class and
@@ -77,10 +79,38 @@ func udpCandidate(pkt []byte, vh *tun.VnetHdr) (iphl int, ok bool) {
 	default:
 		return 0, false
 	}
-	if int(vh.CsumStart) != iphl || int(binary.BigEndian.Uint16(pkt[iphl+4:iphl+6])) != len(pkt)-iphl {
+	udpLen := len(pkt) - iphl
+	if int(vh.CsumStart) != iphl || int(binary.BigEndian.Uint16(pkt[iphl+4:iphl+6])) != udpLen {
+		return 0, false
+	}
+	// The checksums the kernel recomputes for each segment must be the
+	// ones read: a valid IPv4 header checksum, and the pseudo-header sum
+	// in the partial UDP checksum (what the kernel leaves there).
+	if iphl == 20 && checksum.Checksum(pkt[:20], 0) != 0xffff {
+		return 0, false
+	}
+	if !onesEqual(binary.BigEndian.Uint16(pkt[iphl+6:]), pseudoSum(pkt, iphl, udpLen)) {
 		return 0, false
 	}
 	return iphl, true
+}
+
+// pseudoSum is the folded ones' complement sum of the UDP pseudo-header of
+// pkt (IP header length iphl) for a UDP length of udpLen.
+func pseudoSum(pkt []byte, iphl, udpLen int) uint16 {
+	var sum uint16
+	if iphl == 20 {
+		sum = checksum.Checksum(pkt[12:20], 0)
+	} else {
+		sum = checksum.Checksum(pkt[8:40], 0)
+	}
+	return checksum.Combine(checksum.Combine(sum, protoUDP), uint16(udpLen))
+}
+
+// onesEqual compares two ones' complement sums, in which 0 and 0xffff are
+// both zero.
+func onesEqual(a, b uint16) bool {
+	return a == b || (a == 0 || a == 0xffff) && (b == 0 || b == 0xffff)
 }
 
 // udpBatch is a UDP GSO super-packet being gathered: the first datagram
@@ -160,19 +190,14 @@ func (b *udpBatch) superPacket(vnet int) [][]byte {
 	iphl := b.iphl
 	udpLen := udpHeaderLen + b.payload
 	binary.BigEndian.PutUint16(pkt[iphl+4:], uint16(udpLen))
-	var sum uint16
 	if iphl == 20 {
 		binary.BigEndian.PutUint16(pkt[2:4], uint16(iphl+udpLen))
 		pkt[10], pkt[11] = 0, 0
 		binary.BigEndian.PutUint16(pkt[10:12], ^checksum.Checksum(pkt[:iphl], 0))
-		sum = checksum.Checksum(pkt[12:20], 0)
 	} else {
 		binary.BigEndian.PutUint16(pkt[4:6], uint16(udpLen))
-		sum = checksum.Checksum(pkt[8:40], 0)
 	}
-	sum = checksum.Combine(sum, protoUDP)
-	sum = checksum.Combine(sum, uint16(udpLen))
-	binary.BigEndian.PutUint16(pkt[iphl+6:], sum)
+	binary.BigEndian.PutUint16(pkt[iphl+6:], pseudoSum(pkt, iphl, udpLen))
 	vh := tun.VnetHdr{
 		Flags:      tun.VnetNeedsCsum,
 		GSOType:    tun.GSOUDPL4,
