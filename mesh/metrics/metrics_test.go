@@ -90,7 +90,7 @@ func TestDataPlane(t *testing.T) {
 			Bytes:    map[[2]string]uint64{{"verbatim", "udp"}: 700},
 			Drops:    map[string]uint64{"fragment": 3},
 			Outbound: 11, Flows: 2, FlowsInserted: 5, FlowsExpired: 3,
-			TCPRetransmits: 1, ForwarderDrops: 4, VerbatimWriteErrors: 6,
+			TCPRetransmits: 1, ForwarderDrops: 4, VerbatimWriteErrors: 6, UDPCoalesced: 64,
 			HBONEConns: 1, HBONEStreams: 2, HBONEServerConns: 3,
 			CertExpiry: map[string]time.Time{"spiffe://cluster.local/ns/a/sa/client": expiry},
 		}
@@ -129,6 +129,9 @@ meshtun_netstack_forwarder_drops_total 4
 # HELP meshtun_verbatim_write_errors_total Verbatim packets the TUN refused.
 # TYPE meshtun_verbatim_write_errors_total counter
 meshtun_verbatim_write_errors_total 6
+# HELP meshtun_verbatim_udp_coalesced_total Verbatim UDP datagrams written back in one UDP GSO super-packet with others of their flow.
+# TYPE meshtun_verbatim_udp_coalesced_total counter
+meshtun_verbatim_udp_coalesced_total 64
 # HELP meshtun_hbone_pool_connections Outbound HBONE connections in the pool.
 # TYPE meshtun_hbone_pool_connections gauge
 meshtun_hbone_pool_connections 1
@@ -145,7 +148,7 @@ meshtun_certificate_expiry_seconds{identity="spiffe://cluster.local/ns/a/sa/clie
 	names := []string{"meshtun_packets_total", "meshtun_bytes_total", "meshtun_classifier_drops_total",
 		"meshtun_netstack_packets_sent_total", "meshtun_flows", "meshtun_flows_inserted_total", "meshtun_flows_expired_total",
 		"meshtun_netstack_tcp_retransmits_total", "meshtun_netstack_forwarder_drops_total", "meshtun_verbatim_write_errors_total",
-		"meshtun_hbone_pool_connections", "meshtun_hbone_pool_streams", "meshtun_hbone_server_connections",
+		"meshtun_verbatim_udp_coalesced_total", "meshtun_hbone_pool_connections", "meshtun_hbone_pool_streams", "meshtun_hbone_server_connections",
 		"meshtun_certificate_expiry_seconds"}
 	if err := gatherAndCompare(m.Registry, want, names...); err != nil {
 		t.Error(err)
