@@ -88,8 +88,9 @@ func profileRuns(pl plan) []profileRun {
 // proxy on l that serves pprof meanwhile, into dir as
 // <path>-<node>-<run>.pprof (an execution trace <path>-<node>-<run> for
 // the runs that take one), and appends to dir/counters.tsv, per run,
-// the units done and the CPU seconds taken over the same window by each
-// proxy, by this process (the load generators: client and server) and by
+// the units done and the CPU seconds taken and voluntary context
+// switches made over the same window by each proxy and by this process
+// (the load generators: client and server), and the busy CPU seconds of
 // the whole machine (/proc/stat, all CPUs, so other work on it too). It
 // does this for a lane without proxies as well (direct: the generators'
 // own cost and ceiling). It returns the profiles written.
@@ -152,10 +153,15 @@ func profileLane(ctx context.Context, l *lane, pl plan, dir string) ([]string, e
 	return files, nil
 }
 
-// counters are CPU times over one window.
+// counters are CPU times and sleeps over one window.
 type counters struct {
 	wall, self, machine time.Duration
 	proxies             []time.Duration
+	// selfSleeps and proxySleeps count voluntary context switches (a
+	// thread blocked, to be woken later) of this process and of each
+	// proxy, over all their threads.
+	selfSleeps  int64
+	proxySleeps []int64
 }
 
 // readCounters samples the clock, this process's CPU time, the machine's
@@ -172,20 +178,62 @@ func readCounters(l *lane) (counters, error) {
 		return c, err
 	}
 	c.machine = busy
+	if c.selfSleeps, err = sleeps(os.Getpid()); err != nil {
+		return c, err
+	}
 	for _, x := range l.Proxies {
 		s, err := procstat.Read("/proc", x.Pid)
 		if err != nil {
 			return c, err
 		}
 		c.proxies = append(c.proxies, s.CPU)
+		n, err := sleeps(x.Pid)
+		if err != nil {
+			return c, err
+		}
+		c.proxySleeps = append(c.proxySleeps, n)
 	}
 	return c, nil
 }
 
+// sleeps sums voluntary_ctxt_switches over the threads of process pid
+// (a thread that exits meanwhile takes its count with it).
+func sleeps(pid int) (int64, error) {
+	dirs, err := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/status", pid))
+	if err != nil || len(dirs) == 0 {
+		return 0, fmt.Errorf("bench: threads of pid %d: none found (%v)", pid, err)
+	}
+	var sum int64
+	for _, f := range dirs {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			continue // the thread has exited
+		}
+		n, err := parseSleeps(b)
+		if err != nil {
+			return 0, fmt.Errorf("bench: %s: %w", f, err)
+		}
+		sum += n
+	}
+	return sum, nil
+}
+
+// parseSleeps returns voluntary_ctxt_switches from the contents of
+// /proc/<pid>/task/<tid>/status.
+func parseSleeps(b []byte) (int64, error) {
+	for line := range strings.Lines(string(b)) {
+		if v, ok := strings.CutPrefix(line, "voluntary_ctxt_switches:"); ok {
+			return strconv.ParseInt(strings.TrimSpace(v), 10, 64)
+		}
+	}
+	return 0, errors.New("no voluntary_ctxt_switches line")
+}
+
 func (c counters) sub(o counters) counters {
-	d := counters{wall: c.wall - o.wall, self: c.self - o.self, machine: c.machine - o.machine}
+	d := counters{wall: c.wall - o.wall, self: c.self - o.self, machine: c.machine - o.machine, selfSleeps: c.selfSleeps - o.selfSleeps}
 	for i := range c.proxies {
 		d.proxies = append(d.proxies, c.proxies[i]-o.proxies[i])
+		d.proxySleeps = append(d.proxySleeps, c.proxySleeps[i]-o.proxySleeps[i])
 	}
 	return d
 }
@@ -233,9 +281,9 @@ func appendCounters(path string, l *lane, pr profileRun, units float64, c counte
 	}
 	st, err := f.Stat()
 	if err == nil && st.Size() == 0 {
-		_, err = fmt.Fprintln(f, "path\trun\tunits\tunit\twall s\tgenerators CPU s\tmachine busy CPU s\tproxy\tproxy CPU s\tproxy CPU µs per unit")
+		_, err = fmt.Fprintln(f, "path\trun\tunits\tunit\twall s\tgenerators CPU s\tgenerators sleeps\tmachine busy CPU s\tproxy\tproxy CPU s\tproxy CPU µs per unit\tproxy sleeps")
 	}
-	write := func(proxy string, cpu time.Duration) {
+	write := func(proxy string, cpu time.Duration, sleeps int64) {
 		if err != nil {
 			return
 		}
@@ -243,15 +291,15 @@ func appendCounters(path string, l *lane, pr profileRun, units float64, c counte
 		if units > 0 {
 			per = cpu.Seconds() * 1e6 / units
 		}
-		_, err = fmt.Fprintf(f, "%s\t%s\t%.6g\t%s\t%.3f\t%.3f\t%.3f\t%s\t%.3f\t%.4g\n", l.Name, pr.name, units, pr.unit,
-			c.wall.Seconds(), c.self.Seconds(), c.machine.Seconds(), proxy, cpu.Seconds(), per)
+		_, err = fmt.Fprintf(f, "%s\t%s\t%.6g\t%s\t%.3f\t%.3f\t%d\t%.3f\t%s\t%.3f\t%.4g\t%d\n", l.Name, pr.name, units, pr.unit,
+			c.wall.Seconds(), c.self.Seconds(), c.selfSleeps, c.machine.Seconds(), proxy, cpu.Seconds(), per, sleeps)
 	}
 	if len(l.Proxies) == 0 {
-		write("-", 0)
+		write("-", 0, 0)
 	}
 	for i, x := range l.Proxies {
 		if i < len(c.proxies) {
-			write(x.Name, c.proxies[i])
+			write(x.Name, c.proxies[i], c.proxySleeps[i])
 		}
 	}
 	if err := errors.Join(err, f.Close()); err != nil {

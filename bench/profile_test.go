@@ -1,6 +1,7 @@
 package bench
 
 import (
+	"os"
 	"testing"
 	"time"
 )
@@ -21,5 +22,18 @@ func TestParseBusy(t *testing.T) {
 	}
 	if _, err := machineBusy(); err != nil {
 		t.Errorf("this machine's /proc/stat: %v", err)
+	}
+}
+
+func TestParseSleeps(t *testing.T) {
+	n, err := parseSleeps([]byte("Name:\tx\nvoluntary_ctxt_switches:\t1234\nnonvoluntary_ctxt_switches:\t5\n"))
+	if err != nil || n != 1234 {
+		t.Errorf("parseSleeps = %d, %v; want 1234 (the voluntary count, not the nonvoluntary one)", n, err)
+	}
+	if _, err := parseSleeps([]byte("Name:\tx\n")); err == nil {
+		t.Error("no count: no error")
+	}
+	if n, err := sleeps(os.Getpid()); err != nil || n <= 0 {
+		t.Errorf("sleeps(self) = %d, %v; want a positive count", n, err)
 	}
 }
