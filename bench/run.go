@@ -9,7 +9,6 @@ import (
 	"net/netip"
 	"os"
 	"runtime"
-	"slices"
 	"strings"
 	"time"
 
@@ -49,8 +48,15 @@ type Options struct {
 	// it says, interleaved with the first (see topo.Variant).
 	Variant *topo.Variant
 	// PprofDir, if set, receives CPU profiles of the meshtun proxies taken
-	// after the measurements, one TCP stream each way per path
-	// (<path>-meshtun-<node>-<up|down>.pprof).
+	// after the measurements, during one TCP stream each way,
+	// request/response, connect+request+close and unpaced UDP per path
+	// (<path>-meshtun-<node>-<up|down|rr|crr|udp>.pprof), execution traces
+	// of the same proxies during request/response and
+	// connect+request+close (<path>-meshtun-<node>-<rr|crr>-trace), the CPU seconds
+	// and units of work of every path (proxies, generators, machine) over
+	// the same runs (counters.tsv), and heap profiles of the meshtun
+	// proxies with no and with each count of idle connections open
+	// (<path>-meshtun-<node>-idle<n>.heap.pprof).
 	PprofDir string
 	// Command and Version are recorded in the result.
 	Command, Version string
@@ -205,7 +211,7 @@ func Run(ctx context.Context, o Options) (*report.Result, error) {
 		if len(l.Proxies) > 0 {
 			withProxy++
 		}
-		if o.PprofDir != "" && slices.ContainsFunc(l.Proxies, func(x topo.Proxy) bool { return x.Pprof.IsValid() }) {
+		if o.PprofDir != "" {
 			withPprof++
 		}
 	}
@@ -264,11 +270,8 @@ func Run(ctx context.Context, o Options) (*report.Result, error) {
 			return nil, fmt.Errorf("bench: %w", err)
 		}
 		for _, l := range lanes {
-			if !slices.ContainsFunc(l.Proxies, func(x topo.Proxy) bool { return x.Pprof.IsValid() }) {
-				continue
-			}
 			o.Progress.step("CPU profiles · " + l.Name)
-			files, err := profileLane(ctx, l, o.PprofDir)
+			files, err := profileLane(ctx, l, pl, o.PprofDir)
 			if err != nil {
 				if ctx.Err() != nil {
 					return nil, ctx.Err()
@@ -294,7 +297,9 @@ func Run(ctx context.Context, o Options) (*report.Result, error) {
 			fail(l, "restart", err)
 			continue
 		}
-		if err := idleConns(ctx, l, pl, cmp.Or(o.Self, o.Meshtun), o.Progress); err != nil {
+		heaps, err := idleConns(ctx, l, pl, cmp.Or(o.Self, o.Meshtun), o.PprofDir, o.Progress)
+		res.Profiles = append(res.Profiles, heaps...)
+		if err != nil {
 			if ctx.Err() != nil {
 				return nil, ctx.Err()
 			}
@@ -413,20 +418,35 @@ func scenarioList(pl plan) []scenario {
 // step, and records each proxy's RSS growth per connection; the worst
 // proxy's figure is the path's. The connections' far end is a hold server
 // in a process of its own (started from bin), so that each process stays
-// within its open-file limit.
-func idleConns(ctx context.Context, l *lane, pl plan, bin string, prog *Progress) error {
+// within its open-file limit. If dir is not empty, heap profiles of the
+// proxies that serve pprof are taken into it before the first step and
+// after each (see heapProfiles); the files written are returned.
+func idleConns(ctx context.Context, l *lane, pl plan, bin, dir string, prog *Progress) (files []string, err error) {
 	h, stop, err := startHolder(ctx, l.Dst, bin)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	defer stop()
+	// The heap profiles are taken after the RSS readings: their GC does
+	// not touch what was read.
+	heap := func(n int) error {
+		if dir == "" {
+			return nil
+		}
+		f, err := heapProfiles(ctx, l, n, dir)
+		files = append(files, f...)
+		return err
+	}
 	base := make([]int64, len(l.Proxies))
 	for i, x := range l.Proxies {
 		s, err := procstat.Read("/proc", x.Pid)
 		if err != nil {
-			return err
+			return files, err
 		}
 		base[i] = s.RSS
+	}
+	if err := heap(0); err != nil {
+		return files, err
 	}
 	var set *gen.Idle
 	defer set.Close()
@@ -435,21 +455,24 @@ func idleConns(ctx context.Context, l *lane, pl plan, bin string, prog *Progress
 		var err error
 		if set, err = gen.OpenIdle(ctx, l.Src.NS, h, set, n-set.Len()); err != nil {
 			if note := filesNote(l); note != "" {
-				return &filesFullError{err: err, note: note}
+				return files, &filesFullError{err: err, note: note}
 			}
-			return err
+			return files, err
 		}
 		worst := 0.0
 		for i, x := range l.Proxies {
 			s, err := procstat.Read("/proc", x.Pid)
 			if err != nil {
-				return err
+				return files, err
 			}
 			worst = max(worst, float64(s.RSS-base[i])/float64(n)/1024)
 		}
 		l.add(idleMetric(n), worst)
+		if err := heap(n); err != nil {
+			return files, err
+		}
 	}
-	return nil
+	return files, nil
 }
 
 // filesFullError is an idle-connection step that failed while a proxy of

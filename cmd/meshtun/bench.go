@@ -63,7 +63,7 @@ flags:
 	fs.StringVar(&jsonPath, "json", "", "write the results as JSON to `file`")
 	fs.StringVar(&outDir, "out", "", "write SVG charts and index.html into `dir`")
 	fs.StringVar(&cacheDir, "cache", defCache, "`dir` for the peers' binaries")
-	fs.StringVar(&pprofDir, "pprof", "", "after the measurements, take CPU profiles of the meshtun proxies (one TCP stream each way per path) into `dir`")
+	fs.StringVar(&pprofDir, "pprof", "", "after the measurements, take CPU profiles of the meshtun proxies (one TCP stream each way, request/response, connect+request+close, unpaced UDP, per path), every path's CPU seconds per unit of work over the same runs (counters.tsv) and heap profiles at each count of idle connections into `dir`")
 	fs.StringVar(&proxyLevel, "proxy-log-level", "", "meshtun node's --log-level (default: its own default, info)")
 	fs.StringVar(&binPath, "meshtun", "", "meshtun `binary` the nodes run (default: this one)")
 	fs.StringVar(&logLevel, "log-level", "warn", "log `level` of the benchmark itself")
@@ -187,7 +187,7 @@ flags:
 		fmt.Fprintf(os.Stderr, "bench: %d charts and index.html in %s\n", len(files)-1, outDir)
 	}
 	if len(res.Profiles) > 0 {
-		fmt.Fprintf(os.Stderr, "bench: %d CPU profiles in %s (go tool pprof -top <file>)\n", len(res.Profiles), pprofDir)
+		fmt.Fprintf(os.Stderr, "bench: %d profiles and counters.tsv in %s (go tool pprof -top <file>)\n", len(res.Profiles), pprofDir)
 	}
 	fmt.Fprintf(os.Stderr, "bench: %.0f s\n", res.Seconds)
 	if len(res.Errors) > 0 {
