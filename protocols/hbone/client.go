@@ -367,8 +367,8 @@ func (c *Client) connect(ctx context.Context, key poolKey) (*poolConn, error) {
 	if err != nil {
 		return nil, fmt.Errorf("hbone: connect to %s: %w", key.endpoint, err)
 	}
-	counted, written := countWrites(raw)
-	tc := tls.Client(counted, cfg)
+	batch := newBatchConn(raw)
+	tc := tls.Client(batch, cfg)
 	if err := tc.HandshakeContext(ctx); err != nil {
 		raw.Close()
 		return nil, fmt.Errorf("hbone: TLS handshake with %s as %s, expecting %s: %w", key.endpoint, key.src, key.dst, err)
@@ -384,7 +384,7 @@ func (c *Client) connect(ctx context.Context, key poolKey) (*poolConn, error) {
 	}
 	pc := &poolConn{client: c, key: key, tls: tc, peer: peer}
 	log := c.log.With().Str("endpoint", key.endpoint.String()).Str("peer", peer.String()).Logger()
-	pc.h = newH2Conn(tc, written, true, pc, log, c.cfg.PingInterval, c.cfg.PingTimeout)
+	pc.h = newH2Conn(tc, batch, true, pc, log, c.cfg.PingInterval, c.cfg.PingTimeout)
 	if err := pc.h.start(); err != nil {
 		pc.h.close(err)
 		return nil, fmt.Errorf("hbone: HTTP/2 connection to %s: %w", key.endpoint, err)

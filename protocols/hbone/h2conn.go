@@ -141,9 +141,11 @@ type h2conn struct {
 	pingTimeout     time.Duration
 	lastFramesCheck uint64
 	closedCh        chan struct{}
+	// batch, if not nil, is the connection beneath TLS, which holds the
+	// TLS records written under wmu until flushAndUnlock (batchConn).
+	batch *batchConn
 	// written counts the writes that got through to the peer, below TLS
-	// where the connection was wrapped in a countingConn (one per TLS
-	// record), else at nc. The keepalive timer (stallSeen, stallSince:
+	// where the connection is a batchConn, else at nc. The keepalive timer (stallSeen, stallSince:
 	// its own) closes a connection whose writer has been blocked without
 	// progress for pingTimeout.
 	written    *atomic.Uint64
@@ -165,8 +167,7 @@ func (c countingConn) Write(b []byte) (int, error) {
 	return n, err
 }
 
-// countWrites wraps a connection (before TLS) so that its writes are
-// counted; the counter goes to newH2Conn.
+// countWrites wraps a connection so that its writes are counted.
 func countWrites(c net.Conn) (net.Conn, *atomic.Uint64) {
 	n := new(atomic.Uint64)
 	return countingConn{Conn: c, n: n}, n
@@ -177,10 +178,10 @@ type pendBuf struct{ b []byte }
 
 func (p *pendBuf) Write(b []byte) (int, error) { p.b = append(p.b, b...); return len(b), nil }
 
-// newH2Conn returns the HTTP/2 connection on nc. written, if not nil,
-// counts the writes below nc (countWrites); if nil, writes to nc are
-// counted.
-func newH2Conn(nc net.Conn, written *atomic.Uint64, client bool, r role, log zerolog.Logger, pingInterval, pingTimeout time.Duration) *h2conn {
+// newH2Conn returns the HTTP/2 connection on nc. batch, if not nil, is the
+// connection beneath nc's TLS (newBatchConn): it batches the records and
+// counts the writes; if nil, writes to nc are counted.
+func newH2Conn(nc net.Conn, batch *batchConn, client bool, r role, log zerolog.Logger, pingInterval, pingTimeout time.Duration) *h2conn {
 	c := &h2conn{
 		nc:             nc,
 		client:         client,
@@ -197,11 +198,14 @@ func newH2Conn(nc net.Conn, written *atomic.Uint64, client bool, r role, log zer
 		closedCh:       make(chan struct{}),
 	}
 	c.sendCond.L = &c.mu
-	var w io.Writer = nc
-	if written == nil {
-		w, written = countWrites(nc)
+	var w io.Writer
+	if batch != nil {
+		c.batch = batch
+		c.written = &batch.written
+		w = batchWriter{tls: nc, batch: batch}
+	} else {
+		w, c.written = countWrites(nc)
 	}
-	c.written = written
 	c.bw = bufio.NewWriterSize(w, writeBufSize)
 	c.fr = http2.NewFramer(nil, bufio.NewReaderSize(nc, readBufSize))
 	c.fr.SetMaxReadFrameSize(MaxFrameSize)
@@ -303,6 +307,14 @@ func (c *h2conn) flushAndUnlock() error {
 		if c.werr == nil && c.bw.Buffered() > 0 {
 			c.werr = c.bw.Flush()
 		}
+		if c.batch != nil {
+			// The flush point: the records held beneath TLS go out
+			// now, in one write; the batch's buffer is released even
+			// after an error.
+			if err := c.batch.end(); c.werr == nil {
+				c.werr = err
+			}
+		}
 		err := c.werr
 		c.wmu.Unlock()
 		if err != nil {
@@ -377,6 +389,17 @@ func (c *h2conn) close(err error) {
 	c.unlock()
 	if c.keepalive != nil {
 		c.keepalive.Stop()
+	}
+	if c.batch != nil {
+		// A writer may be blocked writing the batch, outside of TLS's
+		// Write, where tls.Conn.Close would wait for it to send its
+		// close_notify: close the socket first, as crypto/tls does
+		// when a Write is in flight.
+		if c.wmu.TryLock() {
+			c.wmu.Unlock()
+		} else {
+			c.batch.Conn.Close()
+		}
 	}
 	c.nc.Close()
 	close(c.closedCh)

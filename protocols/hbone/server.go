@@ -288,11 +288,10 @@ func (s *Server) ServeConn(ctx context.Context, c net.Conn) {
 	log := s.log.With().Str("peer_addr", c.RemoteAddr().String()).Str("local_addr", c.LocalAddr().String()).Logger()
 
 	tc, ok := c.(*tls.Conn)
-	var written *atomic.Uint64 // nil: counted above TLS
+	var batch *batchConn // nil: counted above TLS, not batched
 	if !ok {
-		var counted net.Conn
-		counted, written = countWrites(c)
-		tc = tls.Server(counted, s.tls)
+		batch = newBatchConn(c)
+		tc = tls.Server(batch, s.tls)
 	}
 	hctx, cancel := context.WithTimeout(ctx, s.hsTime)
 	err := tc.HandshakeContext(hctx)
@@ -333,7 +332,7 @@ func (s *Server) ServeConn(ctx context.Context, c net.Conn) {
 	}
 	tc.SetReadDeadline(time.Time{})
 
-	sc.h = newH2Conn(tc, written, false, sc, log, s.pingInterval, s.pingTimeout)
+	sc.h = newH2Conn(tc, batch, false, sc, log, s.pingInterval, s.pingTimeout)
 	s.mu.Lock()
 	s.live[sc] = struct{}{}
 	draining := s.draining
