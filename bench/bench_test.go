@@ -116,7 +116,8 @@ func TestProgressLiveRedrawsOneLine(t *testing.T) {
 
 // TestFilesNoteNamesAProxyOutOfDescriptors runs a stand-in proxy (sleep),
 // lowers its open-file limit to what it holds, and expects the note to
-// name it; with room left there is no note.
+// name it; with room left there is no note. filesReserve's margin is
+// checked on its own.
 func TestFilesNoteNamesAProxyOutOfDescriptors(t *testing.T) {
 	cmd := exec.Command("sleep", "60")
 	if err := cmd.Start(); err != nil {
@@ -149,8 +150,16 @@ func TestFilesNoteNamesAProxyOutOfDescriptors(t *testing.T) {
 	if err := unix.Prlimit(cmd.Process.Pid, unix.RLIMIT_NOFILE, &lim, nil); err != nil {
 		t.Fatal(err)
 	}
-	want := fmt.Sprintf(" (stand-in n1 holds %d descriptors, its open-file limit)", open)
+	want := fmt.Sprintf(" (stand-in n1 holds %d descriptors of its open-file limit of %d)", open, open)
 	if got := filesNote(l); got != want {
 		t.Errorf("at the limit: %q, want %q", got, want)
+	}
+}
+
+func TestFilesReserve(t *testing.T) {
+	for _, c := range []struct{ limit, want uint64 }{{20000, 200}, {1024, 16}, {100, 16}} {
+		if got := filesReserve(c.limit); got != c.want {
+			t.Errorf("filesReserve(%d) = %d, want %d", c.limit, got, c.want)
+		}
 	}
 }

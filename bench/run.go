@@ -485,14 +485,21 @@ type filesFullError struct {
 func (e *filesFullError) Error() string { return fmt.Sprintf("%v%s", e.err, e.note) }
 func (e *filesFullError) Unwrap() error { return e.err }
 
+// filesReserve is how close to its open-file limit a proxy counts as out
+// of descriptors: 1 % of the limit, at least 16. A proxy may need a few
+// descriptors more for each new connection than it keeps (pasta stopped
+// accepting at 19,8xx of 20,000, two per connection), so the count taken
+// after the failure can sit just under the limit.
+func filesReserve(limit uint64) uint64 { return max(16, limit/100) }
+
 // filesNote names the proxies of l that have used up their open-file
 // limit (a proxy that holds descriptors per connection stops accepting
 // there), as a note to append to an error; "" if none has.
 func filesNote(l *lane) string {
 	var full []string
 	for _, x := range l.Proxies {
-		if open, limit, err := procstat.Files("/proc", x.Pid); err == nil && uint64(open) >= limit {
-			full = append(full, fmt.Sprintf("%s holds %d descriptors, its open-file limit", x.Name, open))
+		if open, limit, err := procstat.Files("/proc", x.Pid); err == nil && uint64(open)+filesReserve(limit) >= limit {
+			full = append(full, fmt.Sprintf("%s holds %d descriptors of its open-file limit of %d", x.Name, open, limit))
 		}
 	}
 	if len(full) == 0 {
