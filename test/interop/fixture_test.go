@@ -24,10 +24,10 @@ import (
 	istiohbone "istio.io/istio/pkg/hbone"
 	istiolog "istio.io/istio/pkg/log"
 	istiospiffe "istio.io/istio/pkg/spiffe"
-	istiopki "istio.io/istio/security/pkg/pki/util"
 
 	"github.com/meshtun/meshtun/mesh/identity"
 	"github.com/meshtun/meshtun/protocols/hbone"
+	"github.com/meshtun/meshtun/test/interop/internal/istioid"
 )
 
 // testTimeout bounds every wait of a test: a dial, a transfer, a signal.
@@ -111,25 +111,6 @@ func tlsCert(svid *x509svid.SVID) tls.Certificate {
 	return c
 }
 
-// istioPeerID returns the identity in a peer certificate as Istio reads it.
-func istioPeerID(raw []byte) (string, error) {
-	leaf, err := x509.ParseCertificate(raw)
-	if err != nil {
-		return "", err
-	}
-	ids, err := istiopki.ExtractIDs(leaf.Extensions)
-	if err != nil {
-		return "", err
-	}
-	if len(ids) != 1 {
-		return "", fmt.Errorf("certificate carries %d identities %q, want 1", len(ids), ids)
-	}
-	if _, err := istiospiffe.ParseIdentity(ids[0]); err != nil {
-		return "", fmt.Errorf("%q: %w", ids[0], err)
-	}
-	return ids[0], nil
-}
-
 // istioClientTLS is the TLS configuration of Istio's dialer: our CA's SVID
 // for its identity (none if cert is nil), the server verified the SPIFFE way
 // with Istio's verifier, and its identity required to be want. The
@@ -146,7 +127,7 @@ func (m *mesh) istioClientTLS(cert *tls.Certificate, want spiffeid.ID, state *tl
 			if err := m.verifier.VerifyPeerCert(raw, nil); err != nil {
 				return err
 			}
-			id, err := istioPeerID(raw[0])
+			id, err := istioid.PeerID(raw[0])
 			if err != nil {
 				return err
 			}
@@ -322,7 +303,7 @@ func startIstioServer(t *testing.T, m *mesh, network, addr string) *istioServer 
 			cs := tc.ConnectionState()
 			ir.TLSVer, ir.ALPN, ir.ServerSNI = cs.Version, cs.NegotiatedProtocol, cs.ServerName
 			if len(cs.PeerCertificates) > 0 {
-				if id, err := istioPeerID(cs.PeerCertificates[0].Raw); err == nil {
+				if id, err := istioid.PeerID(cs.PeerCertificates[0].Raw); err == nil {
 					ir.PeerID = id
 				} else {
 					ir.PeerID = "error: " + err.Error()

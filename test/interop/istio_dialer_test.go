@@ -18,6 +18,7 @@ import (
 
 	"github.com/meshtun/meshtun/mesh/identity"
 	"github.com/meshtun/meshtun/protocols/hbone"
+	"github.com/meshtun/meshtun/test/interop/internal/istioid"
 )
 
 // istioDialer is Istio's HBONE dialer to proxy, presenting cert (none if
@@ -117,7 +118,7 @@ func TestIstioDialerThroughOurServer(t *testing.T) {
 	case cs.Version != tls.VersionTLS13 || cs.NegotiatedProtocol != "h2":
 		t.Errorf("Istio's dialer negotiated TLS %#x ALPN %q, want TLS 1.3 and h2", cs.Version, cs.NegotiatedProtocol)
 	default:
-		if id, err := istioPeerID(cs.PeerCertificates[0].Raw); err != nil || id != meshtunServerID.String() {
+		if id, err := istioid.PeerID(cs.PeerCertificates[0].Raw); err != nil || id != meshtunServerID.String() {
 			t.Errorf("Istio reads our server's identity as %q (%v), want %s", id, err, meshtunServerID)
 		}
 	}

@@ -50,7 +50,8 @@ import (
 	istiohbone "istio.io/istio/pkg/hbone"
 	istiolog "istio.io/istio/pkg/log"
 	istiospiffe "istio.io/istio/pkg/spiffe"
-	istiopki "istio.io/istio/security/pkg/pki/util"
+
+	"github.com/meshtun/meshtun/test/interop/internal/istioid"
 )
 
 func main() {
@@ -109,25 +110,6 @@ func (c *creds) load() (tls.Certificate, *istiospiffe.PeerCertVerifier, error) {
 	return cert, v, nil
 }
 
-// peerID returns the identity of a peer certificate as Istio reads it.
-func peerID(raw []byte) (string, error) {
-	leaf, err := x509.ParseCertificate(raw)
-	if err != nil {
-		return "", err
-	}
-	ids, err := istiopki.ExtractIDs(leaf.Extensions)
-	if err != nil {
-		return "", err
-	}
-	if len(ids) != 1 {
-		return "", fmt.Errorf("certificate carries %d identities %q, want 1", len(ids), ids)
-	}
-	if _, err := istiospiffe.ParseIdentity(ids[0]); err != nil {
-		return "", fmt.Errorf("%q: %w", ids[0], err)
-	}
-	return ids[0], nil
-}
-
 type connKey struct{}
 
 func serve(log zerolog.Logger, args []string) error {
@@ -162,7 +144,7 @@ func serve(log zerolog.Logger, args []string) error {
 			cs := tc.ConnectionState()
 			ev = ev.Uint16("tls_version", cs.Version).Str("alpn", cs.NegotiatedProtocol)
 			if len(cs.PeerCertificates) > 0 {
-				id, err := peerID(cs.PeerCertificates[0].Raw)
+				id, err := istioid.PeerID(cs.PeerCertificates[0].Raw)
 				if err != nil {
 					id = "error: " + err.Error()
 				}
@@ -228,7 +210,7 @@ func dial(log zerolog.Logger, args []string) error {
 				if err := v.VerifyPeerCert(raw, nil); err != nil {
 					return err
 				}
-				id, err := peerID(raw[0])
+				id, err := istioid.PeerID(raw[0])
 				if err != nil {
 					return err
 				}
