@@ -318,26 +318,33 @@ func TestIstiod(t *testing.T) {
 			time.Sleep(200 * time.Millisecond)
 		}
 	}
+	// untilHBONE retries a round trip from p to dst until node 1 logs it
+	// as carried over HBONE, and returns that access log line. Until
+	// istiod's model has both ends as HBONE, node 1 does not capture the
+	// client (no log) or sends to the destination in plaintext.
+	untilHBONE := func(t *testing.T, what string, p *cluster.Pod, dst netip.AddrPort) noderun.Line {
+		t.Helper()
+		var out noderun.Line
+		until(t, what, func() netip.AddrPort {
+			src := roundTripMaybe(p, dst)
+			if !src.IsValid() {
+				return src
+			}
+			var ok bool
+			if out, ok = accessLog(m1, src); !ok || out.Str("route") != "hbone" {
+				return netip.AddrPort{}
+			}
+			return src
+		})
+		return out
+	}
 
 	t.Run("mesh TCP across nodes through istiod's model", func(t *testing.T) {
 		// Each node marked its own enrolled pod as istio-cni would.
 		waitRedirected(t, cp.Admin, "apps", "client", true)
 		waitRedirected(t, cp.Admin, "apps", "server", true)
 		for _, dst := range []netip.Addr{p21.IPv4, p21.IPv6} {
-			var out noderun.Line
-			until(t, "hbone to "+dst.String(), func() netip.AddrPort {
-				src := roundTripMaybe(p11, netip.AddrPortFrom(dst, 8080))
-				if !src.IsValid() {
-					return src
-				}
-				// Before istiod's model marks the client HBONE, node 1
-				// does not capture it and logs nothing.
-				var ok bool
-				if out, ok = accessLog(m1, src); !ok || out.Str("route") != "hbone" {
-					return netip.AddrPort{}
-				}
-				return src
-			})
+			out := untilHBONE(t, "hbone to "+dst.String(), p11, netip.AddrPortFrom(dst, 8080))
 			wantField(t, out, "src.identity", spiffe("apps", "client"))
 			wantField(t, out, "dst.identity", spiffe("apps", "server"))
 			in := waitLog(t, m2, 0, "inbound access log", accessLine(netip.MustParseAddrPort(out.Str("src.addr"))))
@@ -468,20 +475,7 @@ func TestIstiod(t *testing.T) {
 			for _, dst := range []netip.Addr{p31.IPv4, p31.IPv6} {
 				target := netip.AddrPortFrom(dst, 8080)
 				mark := is.len()
-				var out noderun.Line
-				// Until istiod's model has the pod as HBONE, node 1 sends
-				// to it in plaintext.
-				until(t, "hbone to Istio's server at "+dst.String(), func() netip.AddrPort {
-					src := roundTripMaybe(p11, target)
-					if !src.IsValid() {
-						return src
-					}
-					var ok bool
-					if out, ok = accessLog(m1, src); !ok || out.Str("route") != "hbone" {
-						return netip.AddrPort{}
-					}
-					return src
-				})
+				out := untilHBONE(t, "hbone to Istio's server at "+dst.String(), p11, target)
 				wantField(t, out, "src.identity", spiffe("apps", "client"))
 				wantField(t, out, "dst.identity", spiffe("apps", "istio-server"))
 				wantField(t, out, "dst.hbone_addr", netip.AddrPortFrom(dst, 15008).String())
@@ -662,21 +656,10 @@ func TestIstiod(t *testing.T) {
 		}
 		for _, ip := range web.Spec.ClusterIPs {
 			vip := netip.AddrPortFrom(netip.MustParseAddr(ip), 80)
-			var out noderun.Line
-			until(t, "the web service at "+vip.String(), func() netip.AddrPort {
-				src := roundTripMaybe(p11, vip)
-				if !src.IsValid() {
-					return src
-				}
-				// Until istiod's model has the later pod as HBONE (its
-				// node annotates it first), the service may reach it in
-				// plaintext.
-				var ok bool
-				if out, ok = accessLog(m1, src); !ok || out.Str("route") != "hbone" {
-					return netip.AddrPort{}
-				}
-				return src
-			})
+			// The later pod's node annotates it before istiod's model
+			// has it as HBONE: the service may reach it in plaintext
+			// until then.
+			out := untilHBONE(t, "the web service at "+vip.String(), p11, vip)
 			wantField(t, out, "dst.service", "web.apps.svc.cluster.local")
 			wantField(t, out, "dst.identity", spiffe("apps", "later"))
 			ep := p22.IPv4
