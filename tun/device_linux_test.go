@@ -101,17 +101,7 @@ func TestReadWriteNoAlloc(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer d.Close()
-	if err := netlink.RouteAdd(&netlink.Route{LinkIndex: d.Index(), Dst: &net.IPNet{IP: net.IPv4(10, 9, 1, 0), Mask: net.CIDRMask(24, 32)}}); err != nil {
-		t.Fatal(err)
-	}
-	s, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Close(s)
-	if err := unix.Connect(s, &unix.SockaddrInet4{Addr: [4]byte{10, 9, 1, 2}, Port: 9}); err != nil {
-		t.Fatal(err)
-	}
+	s := udpIntoTUN(t, d)
 	payload := make([]byte, 100)
 	buf := make([]byte, VnetHdrLen+65536)
 	var n int
@@ -170,17 +160,7 @@ func TestTryRead(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("TryRead on an empty queue did not return")
 	}
-	if err := netlink.RouteAdd(&netlink.Route{LinkIndex: d.Index(), Dst: &net.IPNet{IP: net.IPv4(10, 9, 1, 0), Mask: net.CIDRMask(24, 32)}}); err != nil {
-		t.Fatal(err)
-	}
-	s, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Close(s)
-	if err := unix.Connect(s, &unix.SockaddrInet4{Addr: [4]byte{10, 9, 1, 2}, Port: 9}); err != nil {
-		t.Fatal(err)
-	}
+	s := udpIntoTUN(t, d)
 	for i := range 3 {
 		if _, err := unix.Write(s, make([]byte, 100+i)); err != nil {
 			t.Fatal(err)
@@ -211,4 +191,22 @@ func TestTryRead(t *testing.T) {
 	if _, err := d.TryRead(buf); !errors.Is(err, os.ErrClosed) {
 		t.Fatalf("TryRead on a closed device: %v, want os.ErrClosed", err)
 	}
+}
+
+// udpIntoTUN routes 10.9.1.0/24 to d and returns a UDP socket connected to
+// 10.9.1.2:9: what it sends, d reads. The socket is closed with the test.
+func udpIntoTUN(t *testing.T, d *Device) int {
+	t.Helper()
+	if err := netlink.RouteAdd(&netlink.Route{LinkIndex: d.Index(), Dst: &net.IPNet{IP: net.IPv4(10, 9, 1, 0), Mask: net.CIDRMask(24, 32)}}); err != nil {
+		t.Fatal(err)
+	}
+	s, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Close(s) })
+	if err := unix.Connect(s, &unix.SockaddrInet4{Addr: [4]byte{10, 9, 1, 2}, Port: 9}); err != nil {
+		t.Fatal(err)
+	}
+	return s
 }
