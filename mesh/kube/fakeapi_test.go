@@ -14,36 +14,33 @@ import (
 // fakeAPI is the API of client-go's fake clientset, for the unit tests.
 type fakeAPI struct{ cs *fake.Clientset }
 
+type (
+	listFunc  func(context.Context, metav1.ListOptions) (runtime.Object, error)
+	watchFunc func(context.Context, metav1.ListOptions) (watch.Interface, error)
+)
+
+// listOf turns a typed client's List into a listFunc.
+func listOf[T runtime.Object](l func(context.Context, metav1.ListOptions) (T, error)) listFunc {
+	return func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) { return l(ctx, o) }
+}
+
 func (f fakeAPI) ListWatch(resource string, tweak func(*metav1.ListOptions)) cache.ListerWatcher {
-	list := map[string]func(context.Context, metav1.ListOptions) (runtime.Object, error){
-		"pods": func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
-			return f.cs.CoreV1().Pods("").List(ctx, o)
-		},
-		"namespaces": func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
-			return f.cs.CoreV1().Namespaces().List(ctx, o)
-		},
-		"services": func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
-			return f.cs.CoreV1().Services("").List(ctx, o)
-		},
-		"endpointslices": func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
-			return f.cs.DiscoveryV1().EndpointSlices("").List(ctx, o)
-		},
-	}[resource]
-	watchF := map[string]func(context.Context, metav1.ListOptions) (watch.Interface, error){
-		"pods": func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
-			return f.cs.CoreV1().Pods("").Watch(ctx, o)
-		},
-		"namespaces": func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
-			return f.cs.CoreV1().Namespaces().Watch(ctx, o)
-		},
-		"services": func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
-			return f.cs.CoreV1().Services("").Watch(ctx, o)
-		},
-		"endpointslices": func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
-			return f.cs.DiscoveryV1().EndpointSlices("").Watch(ctx, o)
-		},
-	}[resource]
-	if list == nil {
+	var list listFunc
+	var watchF watchFunc
+	switch resource {
+	case "pods":
+		c := f.cs.CoreV1().Pods("")
+		list, watchF = listOf(c.List), c.Watch
+	case "namespaces":
+		c := f.cs.CoreV1().Namespaces()
+		list, watchF = listOf(c.List), c.Watch
+	case "services":
+		c := f.cs.CoreV1().Services("")
+		list, watchF = listOf(c.List), c.Watch
+	case "endpointslices":
+		c := f.cs.DiscoveryV1().EndpointSlices("")
+		list, watchF = listOf(c.List), c.Watch
+	default:
 		panic("fakeAPI: no resource " + resource)
 	}
 	if tweak == nil {
