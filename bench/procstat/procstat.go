@@ -23,6 +23,11 @@ type Sample struct {
 	CPU time.Duration
 	// RSS is the resident set size (VmRSS), HWM its peak (VmHWM), in bytes.
 	RSS, HWM int64
+	// Anon and File are RSS's parts (RssAnon, RssFile): the process's own
+	// memory (heap, stacks), and pages of files (its binary) mapped from
+	// the page cache, shared with every process mapping the same file.
+	// RssShmem, the third part, is left out.
+	Anon, File int64
 }
 
 // Read samples process pid from the /proc file system at root (normally
@@ -41,11 +46,11 @@ func Read(root string, pid int) (Sample, error) {
 	if err != nil {
 		return Sample{}, fmt.Errorf("procstat: pid %d: %w", pid, err)
 	}
-	rss, hwm, err := parseStatus(status)
-	if err != nil {
+	smp := Sample{CPU: cpu}
+	if err := parseStatus(status, &smp); err != nil {
 		return Sample{}, fmt.Errorf("procstat: pid %d: %w", pid, err)
 	}
-	return Sample{CPU: cpu, RSS: rss, HWM: hwm}, nil
+	return smp, nil
 }
 
 // parseStat returns utime+stime from the contents of /proc/<pid>/stat.
@@ -73,34 +78,35 @@ func parseStat(b []byte) (time.Duration, error) {
 	return time.Duration(ticks) * time.Second / clockTicks, nil
 }
 
-// parseStatus returns VmRSS and VmHWM in bytes from the contents of
-// /proc/<pid>/status.
-func parseStatus(b []byte) (rss, hwm int64, err error) {
+// parseStatus sets s's memory fields (VmRSS, VmHWM, RssAnon, RssFile, in
+// bytes) from the contents of /proc/<pid>/status. VmRSS and VmHWM must be
+// there; RssAnon and RssFile (Linux 4.5+) are 0 where they are not.
+func parseStatus(b []byte, s *Sample) error {
+	fields := map[string]*int64{"VmRSS": &s.RSS, "VmHWM": &s.HWM, "RssAnon": &s.Anon, "RssFile": &s.File}
 	var haveRSS, haveHWM bool
 	sc := bufio.NewScanner(bytes.NewReader(b))
 	for sc.Scan() {
 		key, val, ok := strings.Cut(sc.Text(), ":")
-		if !ok || (key != "VmRSS" && key != "VmHWM") {
+		dst := fields[key]
+		if !ok || dst == nil {
 			continue
 		}
 		f := strings.Fields(val)
 		if len(f) != 2 || f[1] != "kB" {
-			return 0, 0, fmt.Errorf("status %s: %q: want \"<n> kB\"", key, strings.TrimSpace(val))
+			return fmt.Errorf("status %s: %q: want \"<n> kB\"", key, strings.TrimSpace(val))
 		}
 		kb, err := strconv.ParseInt(f[0], 10, 64)
 		if err != nil {
-			return 0, 0, fmt.Errorf("status %s: %w", key, err)
+			return fmt.Errorf("status %s: %w", key, err)
 		}
-		if key == "VmRSS" {
-			rss, haveRSS = kb<<10, true
-		} else {
-			hwm, haveHWM = kb<<10, true
-		}
+		*dst = kb << 10
+		haveRSS = haveRSS || key == "VmRSS"
+		haveHWM = haveHWM || key == "VmHWM"
 	}
 	if !haveRSS || !haveHWM {
-		return 0, 0, fmt.Errorf("status: no VmRSS or VmHWM line (a kernel thread or a zombie?)")
+		return fmt.Errorf("status: no VmRSS or VmHWM line (a kernel thread or a zombie?)")
 	}
-	return rss, hwm, nil
+	return nil
 }
 
 func firstLine(b []byte) string {

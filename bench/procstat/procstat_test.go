@@ -28,18 +28,21 @@ func TestParseStatNameWithSpacesAndParens(t *testing.T) {
 }
 
 func TestParseStatus(t *testing.T) {
-	status := "Name:\tmeshtun\nVmPeak:\t  900 kB\nVmHWM:\t   20480 kB\nVmRSS:\t   10240 kB\nThreads:\t7\n"
-	rss, hwm, err := parseStatus([]byte(status))
-	if err != nil {
+	status := "Name:\tmeshtun\nVmPeak:\t  900 kB\nVmHWM:\t   20480 kB\nVmRSS:\t   10240 kB\nRssAnon:\t    3072 kB\nRssFile:\t    7168 kB\nThreads:\t7\n"
+	var s Sample
+	if err := parseStatus([]byte(status), &s); err != nil {
 		t.Fatal(err)
 	}
-	if rss != 10<<20 || hwm != 20<<20 {
-		t.Errorf("parseStatus = rss %d hwm %d, want %d and %d", rss, hwm, 10<<20, 20<<20)
+	if s.RSS != 10<<20 || s.HWM != 20<<20 {
+		t.Errorf("parseStatus = rss %d hwm %d, want %d and %d", s.RSS, s.HWM, 10<<20, 20<<20)
 	}
-	if _, _, err := parseStatus([]byte("Name:\tkthreadd\n")); err == nil {
+	if s.Anon != 3<<20 || s.File != 7<<20 {
+		t.Errorf("parseStatus = anon %d file %d, want %d and %d", s.Anon, s.File, 3<<20, 7<<20)
+	}
+	if err := parseStatus([]byte("Name:\tkthreadd\n"), &s); err == nil {
 		t.Error("parseStatus without Vm lines: no error")
 	}
-	if _, _, err := parseStatus([]byte("VmRSS:\t12 MB\nVmHWM:\t1 kB\n")); err == nil {
+	if err := parseStatus([]byte("VmRSS:\t12 MB\nVmHWM:\t1 kB\n"), &s); err == nil {
 		t.Error("parseStatus with a unit other than kB: no error")
 	}
 }

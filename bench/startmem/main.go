@@ -16,7 +16,6 @@
 package main
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"flag"
@@ -28,6 +27,7 @@ import (
 
 	"github.com/rs/zerolog"
 
+	"github.com/meshtun/meshtun/bench/procstat"
 	"github.com/meshtun/meshtun/bench/topo"
 )
 
@@ -66,34 +66,13 @@ func run(a, b string, paths []string, wait time.Duration) error {
 		fmt.Printf("after start +%v (kB)\n%-14s %-14s %8s %8s %8s\n", d, "path", "proxy", "VmRSS", "RssAnon", "RssFile")
 		for _, p := range t.Paths {
 			for _, x := range p.Proxies {
-				st, err := status(x.Pid)
+				st, err := procstat.Read("/proc", x.Pid)
 				if err != nil {
 					return err
 				}
-				fmt.Printf("%-14s %-14s %8d %8d %8d\n", p.Name, x.Name, st["VmRSS"], st["RssAnon"], st["RssFile"])
+				fmt.Printf("%-14s %-14s %8d %8d %8d\n", p.Name, x.Name, st.RSS>>10, st.Anon>>10, st.File>>10)
 			}
 		}
 	}
 	return nil
-}
-
-// status returns the kB fields of /proc/<pid>/status.
-func status(pid int) (map[string]int64, error) {
-	f, err := os.Open(fmt.Sprintf("/proc/%d/status", pid))
-	if err != nil {
-		return nil, err
-	}
-	defer f.Close()
-	m := map[string]int64{}
-	s := bufio.NewScanner(f)
-	for s.Scan() {
-		var v int64
-		k, rest, ok := strings.Cut(s.Text(), ":")
-		if ok && strings.HasSuffix(rest, " kB") {
-			if _, err := fmt.Sscan(strings.TrimSuffix(rest, " kB"), &v); err == nil {
-				m[k] = v
-			}
-		}
-	}
-	return m, s.Err()
 }
