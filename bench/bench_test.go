@@ -146,6 +146,15 @@ func TestFilesNoteNamesAProxyOutOfDescriptors(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// Within filesReserve of the limit counts as at it: a proxy may
+	// stop accepting a few descriptors short of it.
+	near := uint64(open) + filesReserve(uint64(open)) - 1
+	if err := unix.Prlimit(cmd.Process.Pid, unix.RLIMIT_NOFILE, &unix.Rlimit{Cur: near, Max: near}, nil); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := filesNote(l), fmt.Sprintf(" (stand-in n1 holds %d descriptors of its open-file limit of %d)", open, near); got != want {
+		t.Errorf("near the limit: %q, want %q", got, want)
+	}
 	lim := unix.Rlimit{Cur: uint64(open), Max: uint64(open)}
 	if err := unix.Prlimit(cmd.Process.Pid, unix.RLIMIT_NOFILE, &lim, nil); err != nil {
 		t.Fatal(err)
