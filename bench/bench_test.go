@@ -1,10 +1,11 @@
 package bench
 
 import (
+	"bufio"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -114,29 +115,35 @@ func TestProgressLiveRedrawsOneLine(t *testing.T) {
 	nilP.finish()
 }
 
-// TestFilesNoteNamesAProxyOutOfDescriptors runs a stand-in proxy (sleep),
-// lowers its open-file limit to what it holds, and expects the note to
-// name it; with room left there is no note. filesReserve's margin is
-// checked on its own.
+// TestFilesNoteNamesAProxyOutOfDescriptors runs a stand-in proxy (this
+// test binary, see TestStandInProxy), lowers its open-file limit to what it
+// holds, and expects the note to name it; with room left there is no note.
+// filesReserve's margin is checked on its own.
 func TestFilesNoteNamesAProxyOutOfDescriptors(t *testing.T) {
-	cmd := exec.Command("sleep", "60")
+	cmd := exec.Command(os.Args[0], "-test.run=^TestStandInProxy$")
+	cmd.Env = append(os.Environ(), standInEnv+"=1")
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
 	defer func() {
+		stdin.Close()
 		cmd.Process.Kill()
 		cmd.Wait()
 	}()
-	// Start returns once the child is forked, maybe before it has exec'd
-	// sleep and closed the descriptors it inherited: count them after.
-	exe := fmt.Sprintf("/proc/%d/exe", cmd.Process.Pid)
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
-		if p, err := os.Readlink(exe); err == nil && filepath.Base(p) == "sleep" {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s never became sleep", exe)
-		}
+	// The stand-in says ready once it holds every descriptor it will hold:
+	// counting before that raced with a process still opening or closing
+	// some (sleep(1) reading its locale).
+	line, err := bufio.NewReader(stdout).ReadString('\n')
+	if err != nil || line != "ready\n" {
+		t.Fatalf("stand-in proxy: read %q, %v; want ready", line, err)
 	}
 	l := &lane{Path: &topo.Path{Proxies: []topo.Proxy{{Name: "stand-in n1", Pid: cmd.Process.Pid}}}}
 	if got := filesNote(l); got != "" {
@@ -163,6 +170,22 @@ func TestFilesNoteNamesAProxyOutOfDescriptors(t *testing.T) {
 	if got := filesNote(l); got != want {
 		t.Errorf("at the limit: %q, want %q", got, want)
 	}
+}
+
+// standInEnv makes TestStandInProxy act as the stand-in proxy.
+const standInEnv = "MESHTUN_BENCH_STAND_IN"
+
+// TestStandInProxy is the stand-in proxy of
+// TestFilesNoteNamesAProxyOutOfDescriptors when run with standInEnv set:
+// it says ready and holds its descriptors until its stdin closes.
+// Otherwise it does nothing.
+func TestStandInProxy(t *testing.T) {
+	if os.Getenv(standInEnv) == "" {
+		return
+	}
+	os.Stdout.WriteString("ready\n")
+	io.Copy(io.Discard, os.Stdin)
+	os.Exit(0)
 }
 
 func TestFilesReserve(t *testing.T) {
