@@ -2,7 +2,7 @@
 // --pprof DIR` writes, for the floors of the speed targets
 // (docs/ARCHITECTURE.md, "The floors of the unmet targets"):
 //
-//	go run ./bench/floors -bin bin/meshtun DIR [DIR...]
+//	go run ./bench/floors DIR [DIR...]
 //
 // It prints, per path and run, the CPU per unit of work (s/GB for the TCP
 // streams, µs per round trip, connection or datagram) of the proxies and
@@ -13,8 +13,10 @@
 // scaled to the counters; the time goroutines waited to run per unit in
 // the execution traces (go tool trace -pprof=sched); and the heap in use
 // per idle connection by owner (idle<N> heap profiles against idle0).
-// Several directories are summed (profiles merged). It runs `go tool
-// pprof` and `go tool trace`.
+// Several directories are summed (profiles merged). It reads the profiles
+// with github.com/google/pprof/profile; it runs `go tool trace -pprof` to turn
+// the execution traces into profiles (kept next to them as .sched.pb and
+// .syscall.pb).
 package main
 
 import (
@@ -30,6 +32,8 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+
+	"github.com/google/pprof/profile"
 )
 
 // rule names the owner of a sample whose innermost matching frame matches.
@@ -86,59 +90,93 @@ func owner(rules []rule, stack []string) string {
 	return "other"
 }
 
-var valueRE = regexp.MustCompile(`^\s*([\d.]+)(ns|us|µs|ms|s|B|kB|MB|GB)\s+(.*)$`)
+// units scales a sample type's unit to seconds or bytes.
+var units = map[string]float64{"nanoseconds": 1e-9, "microseconds": 1e-6, "milliseconds": 1e-3, "seconds": 1, "bytes": 1}
 
-var units = map[string]float64{"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1, "B": 1, "kB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
-
-// traces runs go tool pprof -traces and sums the samples by owner.
-func traces(bin, file string, rules []rule, extra ...string) (map[string]float64, float64, error) {
-	args := append(append([]string{"tool", "pprof"}, extra...), "-traces", bin, file)
-	out, err := exec.Command("go", args...).Output()
+// readProfile parses the pprof file at path.
+func readProfile(path string) (*profile.Profile, error) {
+	f, err := os.Open(path)
 	if err != nil {
-		return nil, 0, fmt.Errorf("go tool pprof %s: %w", file, err)
+		return nil, err
 	}
-	sum, total := map[string]float64{}, 0.0
-	for _, block := range strings.Split(string(out), "-----------+-------------------------------------------------------")[1:] {
-		var stack []string
-		v := -1.0
-		for _, line := range strings.Split(block, "\n") {
-			t := strings.TrimSpace(line)
-			if t == "" || strings.HasPrefix(t, "bytes:") {
-				continue
-			}
-			if v < 0 {
-				m := valueRE.FindStringSubmatch(line)
-				if m == nil {
-					break
-				}
-				f, _ := strconv.ParseFloat(m[1], 64)
-				v = f * units[m[2]]
-				stack = append(stack, strings.TrimSpace(m[3]))
-				continue
-			}
-			stack = append(stack, t)
-		}
-		if v <= 0 {
-			continue
-		}
-		sum[owner(rules, stack)] += v
-		total += v
+	defer f.Close()
+	p, err := profile.Parse(f)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
 	}
-	return sum, total, nil
+	return p, nil
 }
 
-// total returns a pprof file's total (go tool pprof -top's "of X total").
-func total(file string) (float64, error) {
-	out, err := exec.Command("go", "tool", "pprof", "-top", "-nodecount=1", file).Output()
+// sampleIndex returns the index of p's sample type typ, or of its last one
+// (pprof's default) when typ is "", and the scale of its unit to seconds or
+// bytes.
+func sampleIndex(p *profile.Profile, typ string) (int, float64, error) {
+	i := len(p.SampleType) - 1
+	if typ != "" {
+		i = slices.IndexFunc(p.SampleType, func(t *profile.ValueType) bool { return t.Type == typ })
+	}
+	if i < 0 {
+		return 0, 0, fmt.Errorf("no sample type %q", typ)
+	}
+	scale, ok := units[p.SampleType[i].Unit]
+	if !ok {
+		return 0, 0, fmt.Errorf("sample type %s has unit %q, not a time or bytes", p.SampleType[i].Type, p.SampleType[i].Unit)
+	}
+	return i, scale, nil
+}
+
+// stack returns the function names of a sample's frames, innermost first,
+// an inlined call before the function it was inlined into.
+func stack(s *profile.Sample) []string {
+	var names []string
+	for _, loc := range s.Location {
+		for _, l := range loc.Line {
+			if l.Function != nil {
+				names = append(names, l.Function.Name)
+			}
+		}
+	}
+	return names
+}
+
+// byOwner sums the positive values of sample type typ (see sampleIndex) of
+// the profile at path by the owner of their stacks, in seconds or bytes, and
+// returns the sums and their total.
+func byOwner(path, typ string, rules []rule) (map[string]float64, float64, error) {
+	p, err := readProfile(path)
 	if err != nil {
-		return 0, fmt.Errorf("go tool pprof %s: %w", file, err)
+		return nil, 0, err
 	}
-	m := regexp.MustCompile(`of ([\d.]+)(ns|us|µs|ms|s) total`).FindSubmatch(out)
-	if m == nil {
-		return 0, nil
+	i, scale, err := sampleIndex(p, typ)
+	if err != nil {
+		return nil, 0, fmt.Errorf("%s: %w", path, err)
 	}
-	f, _ := strconv.ParseFloat(string(m[1]), 64)
-	return f * units[string(m[2])], nil
+	sums, all := map[string]int64{}, int64(0)
+	for _, s := range p.Sample {
+		if v := s.Value[i]; v > 0 {
+			sums[owner(rules, stack(s))] += v
+			all += v
+		}
+	}
+	sum := map[string]float64{}
+	for o, v := range sums {
+		sum[o] = float64(v) * scale
+	}
+	return sum, float64(all) * scale, nil
+}
+
+// total returns the sum of a profile's default (last) sample type, in
+// seconds or bytes (go tool pprof -top's "of X total").
+func total(p *profile.Profile) (float64, error) {
+	i, scale, err := sampleIndex(p, "")
+	if err != nil {
+		return 0, err
+	}
+	t := int64(0)
+	for _, s := range p.Sample {
+		t += max(s.Value[i], -s.Value[i])
+	}
+	return float64(t) * scale, nil
 }
 
 type key struct{ path, run string }
@@ -227,21 +265,21 @@ func byValue(m map[string]float64) []string {
 }
 
 func main() {
-	bin := flag.String("bin", "bin/meshtun", "the meshtun binary the profiles were taken of")
+	flag.String("bin", "", "ignored: the profiles carry their symbols (kept for old command lines)")
 	traceSeconds := flag.Float64("trace-seconds", 5, "length of the execution traces (bench's profile length)")
 	flag.Parse()
 	dirs := flag.Args()
 	if len(dirs) == 0 {
-		fmt.Fprintln(os.Stderr, "usage: floors [-bin meshtun] DIR [DIR...]")
+		fmt.Fprintln(os.Stderr, "usage: floors [-trace-seconds S] DIR [DIR...]")
 		os.Exit(2)
 	}
-	if err := run(*bin, *traceSeconds, dirs); err != nil {
+	if err := run(*traceSeconds, dirs); err != nil {
 		fmt.Fprintln(os.Stderr, "floors:", err)
 		os.Exit(1)
 	}
 }
 
-func run(bin string, traceSeconds float64, dirs []string) error {
+func run(traceSeconds float64, dirs []string) error {
 	c, order, err := readCounters(dirs)
 	if err != nil {
 		return err
@@ -280,7 +318,7 @@ func run(bin string, traceSeconds float64, dirs []string) error {
 					if _, err := os.Stat(file); err != nil {
 						continue
 					}
-					s, t, err := traces(bin, file, cpuRules)
+					s, t, err := byOwner(file, "", cpuRules)
 					if err != nil {
 						return err
 					}
@@ -332,9 +370,13 @@ func run(bin string, traceSeconds float64, dirs []string) error {
 						return err
 					}
 				}
-				t, err := total(pb)
+				p, err := readProfile(pb)
 				if err != nil {
 					return err
+				}
+				t, err := total(p)
+				if err != nil {
+					return fmt.Errorf("%s: %w", pb, err)
 				}
 				out = append(out, fmt.Sprintf("%s %.1f", kind, t*1e6/n))
 			}
@@ -352,11 +394,11 @@ func run(bin string, traceSeconds float64, dirs []string) error {
 				if err != nil || n == 0 {
 					continue
 				}
-				a, _, err := traces(bin, base, heapRules, "-sample_index=inuse_space")
+				a, _, err := byOwner(base, "inuse_space", heapRules)
 				if err != nil {
 					return err
 				}
-				z, _, err := traces(bin, top, heapRules, "-sample_index=inuse_space")
+				z, _, err := byOwner(top, "inuse_space", heapRules)
 				if err != nil {
 					return err
 				}
