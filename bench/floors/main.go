@@ -141,7 +141,9 @@ func stack(s *profile.Sample) []string {
 
 // byOwner sums the positive values of sample type typ (see sampleIndex) of
 // the profile at path by the owner of their stacks, in seconds or bytes, and
-// returns the sums and their total.
+// returns the sums and their total. A sample without a stack (the runtime
+// records a few) is "other"; go tool pprof -traces, which this replaces, left
+// it out.
 func byOwner(path, typ string, rules []rule) (map[string]float64, float64, error) {
 	p, err := readProfile(path)
 	if err != nil {
