@@ -41,9 +41,9 @@ func (s state) clone() state {
 }
 
 // model assembles the registry model of a state: workloads in resource
-// name order, services with their endpoints (the workloads that list
-// them) and the target ports the endpoints give, policies after the
-// config file's.
+// name order (in the mesh if Enroll says so), services with their
+// endpoints (the workloads that list them) and the target ports the
+// endpoints give, policies after the config file's. src.mu is held.
 func (src *Source) model(st state) registry.Model {
 	m := registry.Model{
 		TrustDomain: src.cfg.TrustDomain, RootNamespace: src.cfg.RootNamespace,
@@ -60,8 +60,14 @@ func (src *Source) model(st state) registry.Model {
 		if e.w == nil {
 			continue
 		}
-		m.Workloads = append(m.Workloads, e.w.w)
-		ref := registry.WorkloadRef{Namespace: e.w.w.Namespace, Name: e.w.w.Name}
+		w := e.w.w
+		ref := registry.WorkloadRef{Namespace: w.Namespace, Name: w.Name}
+		if !w.InMesh && w.Node != "" && w.Node == src.cfg.Node.NodeName && src.enrolled[ref] {
+			c := *w
+			c.InMesh = true
+			w = &c
+		}
+		m.Workloads = append(m.Workloads, w)
 		for key, ps := range e.w.services {
 			mb := member{ref: ref}
 			for _, p := range ps {

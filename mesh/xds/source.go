@@ -28,6 +28,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"net/netip"
 	"strings"
@@ -144,11 +145,12 @@ type Source struct {
 	updates chan *registry.Snapshot
 	first   chan *registry.Snapshot
 
-	mu      sync.Mutex
-	st      state
-	got     map[string]bool // types received at least once (for Start)
-	started bool            // the first snapshot went to Start
-	status  Status
+	mu       sync.Mutex
+	st       state
+	got      map[string]bool // types received at least once (for Start)
+	started  bool            // the first snapshot went to Start
+	status   Status
+	enrolled map[registry.WorkloadRef]bool // see Enroll
 }
 
 // New returns a source; Start starts it.
@@ -199,6 +201,36 @@ func (s *Source) Start(ctx context.Context) (*registry.Snapshot, error) {
 	case <-ctx.Done():
 		return nil, fmt.Errorf("xds: no model from %s: %w", s.cfg.Address, context.Cause(ctx))
 	}
+}
+
+// Enroll marks workloads of this node (Node.NodeName) in the mesh before
+// istiod does. istiod marks a pod HBONE only once its redirection
+// annotation is set, and that annotation tells every peer to send it
+// HBONE; so the pod must be captured first, as istio-cni has ztunnel take
+// a pod before it annotates it. A workload in refs that istiod still
+// sends as plaintext (TCP) is in the mesh in this node's snapshots: the
+// node captures it, takes inbound HBONE for it and gets its certificate,
+// while its peers still reach it in plaintext until istiod tells them
+// otherwise. refs replaces the previous set; a new snapshot is published
+// if the model has been received. Workloads of other nodes are left as
+// istiod sends them.
+func (s *Source) Enroll(refs map[registry.WorkloadRef]bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if maps.Equal(s.enrolled, refs) {
+		return
+	}
+	s.enrolled = maps.Clone(refs)
+	if len(s.got) < len(Types) {
+		return // Start gets the first model, with the set applied
+	}
+	snap, err := registry.Build(s.model(s.st))
+	if err != nil {
+		// The same resources built before: only InMesh changed.
+		s.log.Error().Err(err).Msg("cannot build the mesh model with this node's enrolled pods; keeping the last one")
+		return
+	}
+	s.publish(snap, true)
 }
 
 // Updates delivers the snapshots built after Start's. Only the newest

@@ -379,3 +379,47 @@ func TestSourceAppliesACKsNACKsAndResubscribes(t *testing.T) {
 		t.Errorf("policies after resubscribe: %d", len(snap.Policies))
 	}
 }
+
+// TestEnrollBeforeIstiod: a pod of this node that the redirector enrolls
+// is in the mesh in this node's model while istiod still sends it as
+// plaintext, so that the node captures it before its annotation tells
+// the peers to send it HBONE; a pod of another node stays as istiod says,
+// and leaving the set gives istiod's word back.
+func TestEnrollBeforeIstiod(t *testing.T) {
+	f := newFakeIstiod(t)
+	tcp := func(a *workloadapi.Address) *workloadapi.Address {
+		a.GetWorkload().TunnelProtocol = workloadapi.TunnelProtocol_NONE
+		return a
+	}
+	for name, a := range map[string]*workloadapi.Address{
+		"Kubernetes//Pod/default/a": tcp(wl("default", "a", "10.0.0.1", "node1")),
+		"Kubernetes//Pod/default/b": tcp(wl("default", "b", "10.0.0.2", "node2")),
+	} {
+		if err := f.addrs.UpdateResource(name, a); err != nil {
+			t.Fatal(err)
+		}
+	}
+	src, snap := newSource(t, f)
+	inMesh := func(s *registry.Snapshot, ip string) bool { return s.Workload(netip.MustParseAddr(ip)).InMesh }
+	if inMesh(snap, "10.0.0.1") || inMesh(snap, "10.0.0.2") {
+		t.Fatal("plaintext workloads in the mesh before any enrollment")
+	}
+	src.Enroll(map[registry.WorkloadRef]bool{{Namespace: "default", Name: "a"}: true, {Namespace: "default", Name: "b"}: true})
+	snap = next(t, src, "a enrolled", func(s *registry.Snapshot) bool { return inMesh(s, "10.0.0.1") })
+	if w := snap.Workload(netip.MustParseAddr("10.0.0.1")); w.Identity.String() != "spiffe://cluster.local/ns/default/sa/a-sa" {
+		t.Errorf("enrolled a has identity %v", w.Identity)
+	}
+	if inMesh(snap, "10.0.0.2") {
+		t.Error("b, on node2, is in the mesh by node1's enrollment")
+	}
+	// A later push from istiod keeps the enrollment.
+	if err := f.addrs.UpdateResource("Kubernetes//Pod/default/c", tcp(wl("default", "c", "10.0.0.3", "node1"))); err != nil {
+		t.Fatal(err)
+	}
+	snap = next(t, src, "c applied", func(s *registry.Snapshot) bool { return s.Workload(netip.MustParseAddr("10.0.0.3")) != nil })
+	if !inMesh(snap, "10.0.0.1") || inMesh(snap, "10.0.0.3") {
+		t.Errorf("after istiod's push: a in mesh %v (want true), c %v (want false)", inMesh(snap, "10.0.0.1"), inMesh(snap, "10.0.0.3"))
+	}
+	src.Enroll(nil)
+	next(t, src, "a back to plaintext", func(s *registry.Snapshot) bool { return !inMesh(s, "10.0.0.1") })
+}
