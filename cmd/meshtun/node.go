@@ -106,10 +106,11 @@ func runNode(ctx context.Context, args []string) error {
 		return err
 	}
 	var (
-		mesh    *registry.Snapshot
-		links   []tun.CaptureLink
-		updates <-chan *registry.Snapshot
-		status  func() any
+		mesh     *registry.Snapshot
+		links    []tun.CaptureLink
+		updates  <-chan *registry.Snapshot
+		status   func() any
+		captured func([]registry.WorkloadRef)
 	)
 	if useKube {
 		// The file's capture links (rarely any) carry no pod sources here;
@@ -131,14 +132,14 @@ func runNode(ctx context.Context, args []string) error {
 		for _, l := range nc.CaptureLinks {
 			links = append(links, tun.CaptureLink{Name: l})
 		}
-		snap, src, err := startXDS(ctx, xf, kubeconfig, name, c, log)
+		snap, src, rep, err := startXDS(ctx, xf, kubeconfig, name, c, log)
 		if err != nil {
 			if errors.Is(err, context.Canceled) {
 				return nil
 			}
 			return err
 		}
-		mesh, updates = snap, src.Updates()
+		mesh, updates, captured = snap, src.Updates(), rep
 		status = func() any { return src.Status() }
 	} else {
 		if kubeconfig != "" {
@@ -173,7 +174,7 @@ func runNode(ctx context.Context, args []string) error {
 		// Node settings apply at start; the model follows the API server
 		// (or istiod).
 		ncfg.ConfigPath = ""
-		ncfg.Updates, ncfg.CaptureByRoute, ncfg.Status = updates, true, status
+		ncfg.Updates, ncfg.CaptureByRoute, ncfg.Status, ncfg.Captured = updates, true, status, captured
 	}
 	switch {
 	case spireSocket != "":

@@ -57,22 +57,24 @@ func (f *xdsFlags) register(fs *flag.FlagSet) {
 }
 
 // startXDS connects to istiod, waits for the first model and returns it
-// with the source that follows istiod from then on.
-func startXDS(ctx context.Context, f xdsFlags, kubeconfig, nodeName string, c *config.Config, log zerolog.Logger) (*registry.Snapshot, *xds.Source, error) {
+// with the source that follows istiod from then on and, with
+// --redirect-pods, what the node tells of the pods it has captured
+// (node.Config.Captured; nil without).
+func startXDS(ctx context.Context, f xdsFlags, kubeconfig, nodeName string, c *config.Config, log zerolog.Logger) (*registry.Snapshot, *xds.Source, func([]registry.WorkloadRef), error) {
 	for _, r := range []struct{ v, flag string }{
 		{f.podName, "--pod-name (or POD_NAME)"}, {f.podNamespace, "--pod-namespace (or POD_NAMESPACE)"},
 		{f.serviceAccount, "--service-account (or SERVICE_ACCOUNT)"}, {f.instanceIP, "--instance-ip (or INSTANCE_IP)"},
 	} {
 		if r.v == "" {
-			return nil, nil, fmt.Errorf("--xds-address needs %s: istiod checks who the node proxy is", r.flag)
+			return nil, nil, nil, fmt.Errorf("--xds-address needs %s: istiod checks who the node proxy is", r.flag)
 		}
 	}
 	if kubeconfig != "" && !f.redirectPods {
-		return nil, nil, errors.New("--kubeconfig with --xds-address is for --redirect-pods: the model comes from istiod")
+		return nil, nil, nil, errors.New("--kubeconfig with --xds-address is for --redirect-pods: the model comes from istiod")
 	}
 	ip, err := netip.ParseAddr(f.instanceIP)
 	if err != nil {
-		return nil, nil, fmt.Errorf("--instance-ip %q: %w", f.instanceIP, err)
+		return nil, nil, nil, fmt.Errorf("--instance-ip %q: %w", f.instanceIP, err)
 	}
 	if len(c.Workloads) > 0 || len(c.Services) > 0 {
 		log.Warn().Str("config", c.Path).Msg("with --xds-address the workloads and services of the config file are ignored: istiod's are the mesh")
@@ -86,21 +88,26 @@ func startXDS(ctx context.Context, f xdsFlags, kubeconfig, nodeName string, c *c
 		TrustDomain: c.TrustDomainID(), RootNamespace: c.RootNamespace, DomainSuffix: c.ClusterDomain,
 		PeerAuth: c.DefaultPeerAuth(), Policies: c.Policies(), Logger: log,
 	})
+	var captured func([]registry.WorkloadRef)
 	if f.redirectPods {
 		cs, err := kubeClient(kubeconfig, nodeName)
 		if err != nil {
-			return nil, nil, err
+			return nil, nil, nil, err
 		}
 		klogToZerolog(log)
 		// Before the model: istiod marks the pods HBONE only once they
-		// carry the annotation.
-		go kube.NewRedirector(cs, nodeName, log).Run(ctx)
+		// carry the annotation, which the redirector sets once the node
+		// has captured them (the source marks them in the mesh here
+		// meanwhile).
+		r := kube.NewRedirector(cs, nodeName, src.Enroll, log)
+		captured = r.Captured
+		go r.Run(ctx)
 	}
 	snap, err := src.Start(ctx)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
-	return snap, src, nil
+	return snap, src, captured, nil
 }
 
 // istiodIssuer returns the client of istiod's CA: TLS verified by

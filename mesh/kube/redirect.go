@@ -3,7 +3,9 @@ package kube
 import (
 	"context"
 	"fmt"
+	"maps"
 	"sort"
+	"sync"
 
 	"github.com/rs/zerolog"
 	corev1 "k8s.io/api/core/v1"
@@ -11,6 +13,8 @@ import (
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/cache"
+
+	"github.com/meshtun/meshtun/mesh/registry"
 )
 
 // RedirectionAnnotation is the pod annotation istio-cni sets once it has
@@ -26,20 +30,38 @@ const (
 // ambient mesh (namespace labelled istio.io/dataplane-mode=ambient, pod
 // not opted out, not host-network, with an address) and removes it from
 // the ones that leave, so that istiod's model marks exactly them HBONE.
-// meshtun captures a pod when istiod's model says so: a pod it has
-// annotated is captured once istiod has seen the annotation.
+//
+// The order is istio-cni's with ztunnel: a pod is captured first, then
+// annotated. The annotation tells every peer to send the pod HBONE, so
+// the node must take HBONE for it before the annotation exists. The
+// redirector hands the enrolled pods to Enroll (the model's source marks
+// them in the mesh on this node: the node captures them and gets their
+// certificates), and annotates a pod only once the node has reported it
+// captured through Captured. A pod that leaves loses its annotation
+// first; the node stops capturing it when istiod's model no longer marks
+// it HBONE, so that peers have stopped sending it HBONE by then.
 type Redirector struct {
-	cs    API
-	node  string
-	log   zerolog.Logger
-	pods  cache.SharedIndexInformer
-	nss   cache.SharedIndexInformer
-	dirty chan struct{}
+	cs     API
+	node   string
+	enroll func(map[registry.WorkloadRef]bool)
+	log    zerolog.Logger
+	pods   cache.SharedIndexInformer
+	nss    cache.SharedIndexInformer
+	dirty  chan struct{}
+
+	mu       sync.Mutex
+	captured map[registry.WorkloadRef]bool
 }
 
-// NewRedirector returns a redirector for node's pods; Run runs it.
-func NewRedirector(cs API, node string, log zerolog.Logger) *Redirector {
-	r := &Redirector{cs: cs, node: node, log: log.With().Str("component", "redirector").Logger(), dirty: make(chan struct{}, 1)}
+// NewRedirector returns a redirector for node's pods; Run runs it. enroll
+// receives the set of the node's pods that belong in the mesh each time
+// it changes (xds.Source.Enroll); the node reports what it has captured
+// to Captured.
+func NewRedirector(cs API, node string, enroll func(map[registry.WorkloadRef]bool), log zerolog.Logger) *Redirector {
+	r := &Redirector{
+		cs: cs, node: node, enroll: enroll, log: log.With().Str("component", "redirector").Logger(),
+		dirty: make(chan struct{}, 1), captured: map[registry.WorkloadRef]bool{},
+	}
 	r.pods = newInformer(cs.ListWatch("pods", func(o *metav1.ListOptions) {
 		o.FieldSelector = fields.OneTermEqualSelector("spec.nodeName", node).String()
 	}), &corev1.Pod{}, 0)
@@ -61,6 +83,24 @@ func (r *Redirector) changed() {
 	}
 }
 
+// Captured tells the redirector which of the node's workloads the node
+// now captures, with their certificates and inbound HBONE in place; it
+// replaces the previous report. A pod waiting for its annotation gets it
+// once it is in a report.
+func (r *Redirector) Captured(refs []registry.WorkloadRef) {
+	set := make(map[registry.WorkloadRef]bool, len(refs))
+	for _, ref := range refs {
+		set[ref] = true
+	}
+	r.mu.Lock()
+	same := maps.Equal(set, r.captured)
+	r.captured = set
+	r.mu.Unlock()
+	if !same {
+		r.changed()
+	}
+}
+
 // Run watches the node's pods and the namespaces and keeps the
 // annotations right until ctx ends. A failed patch is logged and retried
 // on the next change.
@@ -79,8 +119,9 @@ func (r *Redirector) Run(ctx context.Context) {
 	}
 }
 
-// reconcile annotates the pods that should have the annotation and do
-// not, and removes it from those that should not have it.
+// reconcile enrolls the pods that belong in the mesh, annotates those of
+// them the node has captured, and removes the annotation from those that
+// do not belong.
 func (r *Redirector) reconcile(ctx context.Context) {
 	enrolled := map[string]bool{}
 	for _, o := range r.nss.GetStore().List() {
@@ -92,24 +133,33 @@ func (r *Redirector) reconcile(ctx context.Context) {
 		pods = append(pods, o.(*corev1.Pod))
 	}
 	sort.Slice(pods, func(i, j int) bool { return pods[i].Namespace+"/"+pods[i].Name < pods[j].Namespace+"/"+pods[j].Name })
+	want := make(map[registry.WorkloadRef]bool)
 	for _, p := range pods {
-		want := Redirected(p, enrolled[p.Namespace])
+		if Redirected(p, enrolled[p.Namespace]) {
+			want[registry.WorkloadRef{Namespace: p.Namespace, Name: p.Name}] = true
+		}
+	}
+	r.enroll(want)
+	r.mu.Lock()
+	captured := r.captured
+	r.mu.Unlock()
+	for _, p := range pods {
+		ref := registry.WorkloadRef{Namespace: p.Namespace, Name: p.Name}
 		has := p.Annotations[RedirectionAnnotation] == RedirectionEnabled
-		if want == has {
-			continue
+		if want[ref] == has || want[ref] && !captured[ref] {
+			continue // right, or not captured yet (Captured wakes us)
 		}
 		val := `"` + RedirectionEnabled + `"`
-		if !want {
+		if !want[ref] {
 			val = "null"
 		}
 		patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:%s}}}`, RedirectionAnnotation, val)
 		err := r.cs.PatchPod(ctx, p.Namespace, p.Name, types.MergePatchType, []byte(patch))
-		key := p.Namespace + "/" + p.Name
 		if err != nil {
-			r.log.Error().Err(err).Str("pod", key).Bool("redirected", want).Msg("cannot set the pod's redirection annotation")
+			r.log.Error().Err(err).Str("pod", ref.String()).Bool("redirected", want[ref]).Msg("cannot set the pod's redirection annotation")
 			continue
 		}
-		r.log.Info().Str("pod", key).Bool("redirected", want).Msg("pod redirection annotation set")
+		r.log.Info().Str("pod", ref.String()).Bool("redirected", want[ref]).Msg("pod redirection annotation set")
 	}
 }
 

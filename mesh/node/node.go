@@ -71,6 +71,12 @@ type Config struct {
 	// Status, if set, is shown as "source" on /config_dump: what the model's
 	// source last saw.
 	Status func() any
+	// Captured, if set, is told after every change of capture which
+	// local mesh workloads are captured: certificate held, host link
+	// found, capture and inbound HBONE rules in place. With istiod as the
+	// source, a pod is annotated for redirection only once it is
+	// (kube.Redirector.Captured).
+	Captured func([]registry.WorkloadRef)
 	// NoIntercept leaves every packet verbatim: the TUN is in the path but
 	// no flow is proxied. For measuring the TUN path alone.
 	NoIntercept bool
@@ -328,6 +334,9 @@ func Run(ctx context.Context, cfg Config) (err error) {
 		}
 	}
 
+	// HBONE for the pods is taken on the kernel socket or, failing that,
+	// on the netstack: they are captured either way.
+	n.reportCaptured(locals, true)
 	if cfg.ConfigPath != "" {
 		go watchConfig(runCtx, cfg.ConfigPath, n, log)
 	}
@@ -650,16 +659,41 @@ func (n *node) install(ctx context.Context, snap *registry.Snapshot, links []tun
 		n.captureMu.Lock()
 		var all []tun.CaptureLink
 		all, complete = n.captureLinks(links, locals)
+		ok := true
 		if err := n.routes.Update(all, podPrefixes(locals)); err != nil {
 			n.log.Error().Err(err).Msg("update capture rules")
+			ok = false
 		} else if n.local != nil {
 			if err := n.local.Update(podAddrs(locals)); err != nil {
 				n.log.Error().Err(err).Msg("update HBONE local-delivery rules")
+				ok = false
 			}
 		}
+		n.reportCaptured(locals, ok)
 		n.captureMu.Unlock()
 	}
 	return n.px.Reauthorize(), removed, complete
+}
+
+// reportCaptured tells Config.Captured which of locals are captured:
+// rulesOK (the capture and local-delivery rules were installed), the
+// workload's certificate held and, with CaptureByRoute, its host link
+// found. Called with captureMu held, or before the node follows updates.
+func (n *node) reportCaptured(locals []*registry.Workload, rulesOK bool) {
+	if n.cfg.Captured == nil {
+		return
+	}
+	var refs []registry.WorkloadRef
+	for _, w := range locals {
+		if !rulesOK || n.noRoute[w.String()] {
+			continue
+		}
+		if _, held := n.svids.Expiry(w.Identity); !held {
+			continue
+		}
+		refs = append(refs, registry.WorkloadRef{Namespace: w.Namespace, Name: w.Name})
+	}
+	n.cfg.Captured(refs)
 }
 
 // captureLinks returns links plus, with CaptureByRoute, the host-side

@@ -1,0 +1,103 @@
+package kube
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/rs/zerolog"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes/fake"
+
+	"github.com/meshtun/meshtun/mesh/registry"
+)
+
+// TestRedirectorAnnotatesOnlyCaptured: the redirector enrolls a pod at
+// once but annotates it only after the node has reported it captured (the
+// annotation sends peers' HBONE to it), and removes the annotation of a
+// pod that leaves even while the node still captures it.
+func TestRedirectorAnnotatesOnlyCaptured(t *testing.T) {
+	p := pod("apps", "web", "n1", "198.18.1.10")
+	p.Status.PodIP = "198.18.1.10"
+	cs := fake.NewClientset(ns("apps", true), p)
+	web := registry.WorkloadRef{Namespace: "apps", Name: "web"}
+	// enroll hands each pass's set to the test and waits for it: the
+	// test knows where the redirector is.
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	sets := make(chan map[registry.WorkloadRef]bool)
+	proceed := make(chan struct{})
+	enroll := func(s map[registry.WorkloadRef]bool) {
+		select {
+		case sets <- s:
+			<-proceed
+		case <-ctx.Done():
+		}
+	}
+	r := NewRedirector(fakeAPI{cs}, "n1", enroll, zerolog.New(zerolog.NewTestWriter(t)))
+	done := make(chan struct{})
+	go func() { r.Run(ctx); close(done) }()
+	defer func() { cancel(); <-done }()
+	pass := func(what string) map[registry.WorkloadRef]bool {
+		t.Helper()
+		select {
+		case s := <-sets:
+			return s
+		case <-time.After(10 * time.Second):
+			t.Fatalf("no reconcile pass: %s", what)
+			return nil
+		}
+	}
+	annotated := func() bool {
+		t.Helper()
+		got, err := cs.CoreV1().Pods("apps").Get(ctx, "web", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return got.Annotations[RedirectionAnnotation] == RedirectionEnabled
+	}
+
+	if s := pass("first"); !s[web] {
+		t.Fatalf("enrolled %v, want apps/web", s)
+	}
+	proceed <- struct{}{}
+	// Another node's pod captured: a second pass, after the first ended.
+	r.Captured([]registry.WorkloadRef{{Namespace: "apps", Name: "other"}})
+	pass("after an unrelated report")
+	if annotated() {
+		t.Fatal("annotated before the node reported it captured")
+	}
+	proceed <- struct{}{}
+
+	r.Captured([]registry.WorkloadRef{web})
+	pass("after the capture report")
+	proceed <- struct{}{}
+	deadline := time.Now().Add(10 * time.Second)
+	for !annotated() {
+		if time.Now().After(deadline) {
+			t.Fatal("not annotated 10s after the node reported it captured")
+		}
+		time.Sleep(10 * time.Millisecond) // the fake clientset has no patch event to wait on here
+	}
+
+	// The pod opts out: the annotation goes while it is still captured.
+	patch := []byte(`{"metadata":{"labels":{"` + DataplaneModeLabel + `":"` + ModeNone + `"}}}`)
+	if _, err := cs.CoreV1().Pods("apps").Patch(ctx, "web", types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	for {
+		s := pass("after the opt-out")
+		proceed <- struct{}{}
+		if !s[web] {
+			break
+		}
+	}
+	deadline = time.Now().Add(10 * time.Second)
+	for annotated() {
+		if time.Now().After(deadline) {
+			t.Fatal("annotation kept 10s after the pod opted out")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
