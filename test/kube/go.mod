@@ -5,6 +5,7 @@ go 1.26.8
 require (
 	github.com/meshtun/meshtun v0.0.0-00010101000000-000000000000
 	github.com/spiffe/go-spiffe/v2 v2.9.0
+	github.com/vishvananda/netlink v1.3.1
 	golang.org/x/mod v0.41.0
 	google.golang.org/grpc v1.85.0
 	k8s.io/api v0.37.2
@@ -52,7 +53,6 @@ require (
 	github.com/rs/zerolog v1.35.1 // indirect
 	github.com/songgao/water v0.0.0-20200317203138-2b4b6d7c09d8 // indirect
 	github.com/spiffe/spire-api-sdk v1.2.5-0.20250109200630-101d5e7de758 // indirect
-	github.com/vishvananda/netlink v1.3.1 // indirect
 	github.com/vishvananda/netns v0.0.5 // indirect
 	github.com/x448/float16 v0.8.4 // indirect
 	go.yaml.in/yaml/v2 v2.4.4 // indirect

@@ -20,6 +20,7 @@ import (
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
+	"github.com/vishvananda/netlink"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	authv1 "k8s.io/api/authentication/v1"
@@ -35,6 +36,7 @@ import (
 	"github.com/meshtun/meshtun/mesh/identity"
 	"github.com/meshtun/meshtun/test/cluster"
 	"github.com/meshtun/meshtun/test/noderun"
+	"github.com/meshtun/meshtun/tun"
 )
 
 // waitRedirected waits until the pod carries the redirection annotation
@@ -55,6 +57,30 @@ func waitRedirected(t *testing.T, cs *kubernetes.Clientset, ns, name string, wan
 		}
 		time.Sleep(100 * time.Millisecond) // no watch for one annotation
 	}
+}
+
+// localDelivery reports whether node n has the rule that delivers port
+// 15008 of pod address a to meshtun's listener (tun.LocalDelivery).
+func localDelivery(t *testing.T, n *cluster.Node, a netip.Addr) bool {
+	t.Helper()
+	fam := netlink.FAMILY_V4
+	if a.Is6() {
+		fam = netlink.FAMILY_V6
+	}
+	found := false
+	err := n.Do(func() error {
+		rules, err := netlink.RuleListFiltered(fam, &netlink.Rule{Table: tun.LocalTable}, netlink.RT_FILTER_TABLE)
+		for _, r := range rules {
+			if r.Dst != nil && r.Dst.IP.Equal(a.AsSlice()) && r.Dport != nil && r.Dport.Start == 15008 {
+				found = true
+			}
+		}
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return found
 }
 
 // accessLog returns m's access log line of the connection from src if it
@@ -625,9 +651,56 @@ func TestIstiod(t *testing.T) {
 		until(t, "policy deleted", func() netip.AddrPort { return roundTripMaybe(p11, netip.AddrPortFrom(p21.IPv4, 8080)) })
 	})
 
+	t.Run("a pod is captured before it is annotated", func(t *testing.T) {
+		// istio-cni's order with ztunnel: the annotation makes istiod
+		// tell every peer to send the pod HBONE, so node 2 must take
+		// HBONE for the pod (its certificate, the rule that delivers its
+		// port 15008 to meshtun) before the annotation exists.
+		w, err := cp.Admin.CoreV1().Pods("apps").Watch(ctx, metav1.ListOptions{FieldSelector: "metadata.name=later"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer w.Stop()
+		k.run(p22, "apps", "later", "later", map[string]string{"app": "later"})
+		deadline := time.After(30 * time.Second)
+	annotated:
+		for {
+			select {
+			case ev, ok := <-w.ResultChan():
+				if !ok {
+					t.Fatal("the watch of apps/later ended")
+				}
+				if p, isPod := ev.Object.(*corev1.Pod); isPod && p.Annotations["ambient.istio.io/redirection"] == "enabled" {
+					break annotated
+				}
+			case <-deadline:
+				t.Fatal("apps/later not annotated within 30s")
+			}
+		}
+		// At the annotation's event, before istiod can have pushed a
+		// model that marks the pod HBONE:
+		for _, a := range []netip.Addr{p22.IPv4, p22.IPv6} {
+			if !localDelivery(t, n2, a) {
+				t.Errorf("apps/later annotated before node 2 delivers %s port 15008 to meshtun", a)
+			}
+		}
+		var dump struct {
+			Certificates []struct {
+				Identity string `json:"identity"`
+			} `json:"certificates"`
+		}
+		getJSON(t, n2, "http://127.0.0.1:15000/config_dump", &dump)
+		held := false
+		for _, c := range dump.Certificates {
+			held = held || c.Identity == spiffe("apps", "later")
+		}
+		if !held {
+			t.Errorf("apps/later annotated before node 2 holds its certificate: %+v", dump.Certificates)
+		}
+	})
+
 	t.Run("a service meshtun cannot apply is NACKed, the rest applies", func(t *testing.T) {
 		mark := m1.Len()
-		k.run(p22, "apps", "later", "later", map[string]string{"app": "later"})
 		// internalTrafficPolicy: Local is istiod's load balancing mode
 		// STRICT on NODE, which meshtun does not do: refused. The other
 		// service, created after it, applies.
@@ -656,9 +729,8 @@ func TestIstiod(t *testing.T) {
 		}
 		for _, ip := range web.Spec.ClusterIPs {
 			vip := netip.AddrPortFrom(netip.MustParseAddr(ip), 80)
-			// The later pod's node annotates it before istiod's model
-			// has it as HBONE: the service may reach it in plaintext
-			// until then.
+			// Node 1 reaches the later pod in plaintext until istiod's
+			// model, which follows its annotation, has it as HBONE.
 			out := untilHBONE(t, "the web service at "+vip.String(), p11, vip)
 			wantField(t, out, "dst.service", "web.apps.svc.cluster.local")
 			wantField(t, out, "dst.identity", spiffe("apps", "later"))
@@ -706,6 +778,33 @@ func TestIstiod(t *testing.T) {
 		src = roundTrip(t, p11, netip.AddrPortFrom(p21.IPv4, 8080))
 		l = waitLog(t, m1, 0, "connection after the restart", accessLine(src))
 		wantField(t, l, "dst.identity", spiffe("apps", "server"))
+	})
+
+	t.Run("a pod that opts out loses its annotation, then its capture", func(t *testing.T) {
+		patch := []byte(`{"metadata":{"labels":{"istio.io/dataplane-mode":"none"}}}`)
+		if _, err := cp.Admin.CoreV1().Pods("apps").Patch(ctx, "later", types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		waitRedirected(t, cp.Admin, "apps", "later", false)
+		// istiod's model follows the annotation; node 2 stops taking
+		// HBONE for the pod, and node 1 reaches it in plaintext.
+		deadline := time.Now().Add(30 * time.Second)
+		for localDelivery(t, n2, p22.IPv4) || localDelivery(t, n2, p22.IPv6) {
+			if time.Now().After(deadline) {
+				t.Fatal("node 2 still delivers apps/later's port 15008 to meshtun 30s after it opted out")
+			}
+			time.Sleep(100 * time.Millisecond) // rules have no event to wait on
+		}
+		until(t, "plaintext to the opted-out pod", func() netip.AddrPort {
+			src := roundTripMaybe(p11, netip.AddrPortFrom(p22.IPv4, 8080))
+			if !src.IsValid() {
+				return src
+			}
+			if l, ok := accessLog(m1, src); !ok || l.Str("route") != "passthrough" {
+				return netip.AddrPort{}
+			}
+			return src
+		})
 	})
 }
 
