@@ -35,9 +35,9 @@ vet:
 # minutes cold at nice 19 under load 20, then cached; the e2e ~20 s, plus
 # 2-4 s to link test/interop's istio-hbone-peer, whose packages the interop
 # tests above have already compiled). All of it cold (.ci/run with empty
-# GOMODCACHE, GOCACHE and ~/.cache/meshtun-test): 46 min 14 s on 2 cores at
-# load 8-11 (test/spire 14 min, test/kube with kube-apiserver, etcd and
-# pilot-discovery builds 22 min).
+# GOMODCACHE, GOCACHE and ~/.cache/meshtun-test): 20 min 46 s on a new idle
+# 2-core machine (test/spire 5.3 min, test/kube with the kube-apiserver,
+# etcd and pilot-discovery builds 8.3 min); 46 min 14 s at load 8-11.
 test: vet build image-test
 	$(GO) test -count=1 -timeout 30m $(PKGS)
 	$(GO) test -run '^$$' -fuzz FuzzClassify -fuzztime 200000x ./stack/classify
