@@ -430,8 +430,9 @@ const idleWorkers = 4
 
 // OpenIdle opens n more connections from ns to h, adding them to set (a
 // new set if nil), and returns once h holds all of them: only then does
-// every proxy on the way carry them. On error the connections opened by
-// this call are closed.
+// every proxy on the way carry them. On error the connections this call
+// opened stay open in set too, until the caller closes it: a proxy that
+// gave up at its limit is still at it when the caller looks.
 func OpenIdle(ctx context.Context, ns Netns, h Holder, set *Idle, n int) (*Idle, error) {
 	if set == nil {
 		set = &Idle{}
@@ -465,14 +466,12 @@ func OpenIdle(ctx context.Context, ns Netns, h Holder, set *Idle, n int) (*Idle,
 		})
 	}
 	wg.Wait()
+	set.conns = append(set.conns, added...)
 	if err := errors.Join(errs...); err != nil {
-		closeAll(added)
 		return set, fmt.Errorf("gen: open idle connection %d of %d to %s: %w", len(added)+1, n, h.Addr(), err)
 	}
 	if err := h.WaitHeld(ctx, before+n); err != nil {
-		closeAll(added)
 		return set, fmt.Errorf("gen: %d connections to %s opened, not all held: %w", n, h.Addr(), err)
 	}
-	set.conns = append(set.conns, added...)
 	return set, nil
 }

@@ -2,6 +2,7 @@ package gen
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"net"
 	"net/netip"
@@ -164,6 +165,41 @@ func TestOpenIdleHeldByServer(t *testing.T) {
 	set.Close()
 	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Second)
 	defer cancel()
+	if err := srv.WaitIdle(ctx); err != nil {
+		t.Errorf("server still holds %d after Close: %v", srv.Held(), err)
+	}
+}
+
+// stuckHolder is a Holder that never holds the connections it is sent.
+type stuckHolder struct{ Holder }
+
+func (stuckHolder) WaitHeld(ctx context.Context, n int) error {
+	return fmt.Errorf("held fewer than %d", n)
+}
+
+// TestOpenIdleFailureKeepsConnections: a failed step leaves the
+// connections it opened open in the set, so that the caller sees the
+// proxies as they were at the failure (a proxy at its open-file limit is
+// still at it); the set's Close closes them.
+func TestOpenIdleFailureKeepsConnections(t *testing.T) {
+	srv := serveLoopback(t)
+	set, err := OpenIdle(t.Context(), here{}, srv.Holder(), nil, 5)
+	if err != nil {
+		t.Fatal(err)
+	}
+	set, err = OpenIdle(t.Context(), here{}, stuckHolder{srv.Holder()}, set, 10)
+	if err == nil {
+		t.Fatal("OpenIdle succeeded with a holder that holds nothing new")
+	}
+	if set.Len() != 15 {
+		t.Fatalf("set has %d connections after the failed step, want 15", set.Len())
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
+	defer cancel()
+	if err := srv.Holder().WaitHeld(ctx, 15); err != nil {
+		t.Fatalf("server holds %d after the failed step, want 15: %v", srv.Held(), err)
+	}
+	set.Close()
 	if err := srv.WaitIdle(ctx); err != nil {
 		t.Errorf("server still holds %d after Close: %v", srv.Held(), err)
 	}
