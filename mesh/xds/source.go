@@ -221,7 +221,7 @@ func (s *Source) Enroll(refs map[registry.WorkloadRef]bool) {
 		return
 	}
 	s.enrolled = maps.Clone(refs)
-	if len(s.got) < len(Types) {
+	if !s.received() {
 		return // Start gets the first model, with the set applied
 	}
 	snap, err := registry.Build(s.model(s.st))
@@ -268,6 +268,10 @@ func (s *Source) run(ctx context.Context) {
 		backoff = min(2*backoff, s.cfg.MaxBackoff)
 	}
 }
+
+// received reports whether every subscribed type has arrived at least
+// once: from then on the model is istiod's. s.mu is held.
+func (s *Source) received() bool { return len(s.got) == len(Types) }
 
 // publish delivers a snapshot: to Start the first time every type has
 // been received, to Updates after. s.mu is held.
@@ -351,7 +355,7 @@ func (s *Source) apply(r response) (nack string) {
 	}
 	s.st = next
 	s.got[r.typeURL] = true
-	ready := len(s.got) == len(Types)
+	ready := s.received()
 	s.status.Workloads, s.status.Services = len(m.Workloads), len(m.Services)
 	s.status.Policies = len(m.Policies) - len(s.cfg.Policies)
 	s.log.Info().Str("type", r.typeURL).Int("resources", len(r.resources)).Int("removed", len(r.removed)).Bool("full", r.full).
