@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/rs/zerolog"
+	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes/fake"
@@ -57,6 +58,27 @@ func TestRedirectorAnnotatesOnlyCaptured(t *testing.T) {
 		}
 		return got.Annotations[RedirectionAnnotation] == RedirectionEnabled
 	}
+	// The redirector's patches, as the API server reports them.
+	w, err := cs.CoreV1().Pods("apps").Watch(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Stop()
+	waitAnnotated := func(want bool, what string) {
+		t.Helper()
+		timeout := time.After(10 * time.Second)
+		for {
+			select {
+			case ev := <-w.ResultChan():
+				if p, ok := ev.Object.(*corev1.Pod); ok && p.Name == "web" &&
+					(p.Annotations[RedirectionAnnotation] == RedirectionEnabled) == want {
+					return
+				}
+			case <-timeout:
+				t.Fatalf("%s: annotation set=%v not seen within 10s", what, want)
+			}
+		}
+	}
 
 	if s := pass("first"); !s[web] {
 		t.Fatalf("enrolled %v, want apps/web", s)
@@ -73,13 +95,7 @@ func TestRedirectorAnnotatesOnlyCaptured(t *testing.T) {
 	r.Captured([]registry.WorkloadRef{web})
 	pass("after the capture report")
 	proceed <- struct{}{}
-	deadline := time.Now().Add(10 * time.Second)
-	for !annotated() {
-		if time.Now().After(deadline) {
-			t.Fatal("not annotated 10s after the node reported it captured")
-		}
-		time.Sleep(10 * time.Millisecond) // the fake clientset has no patch event to wait on here
-	}
+	waitAnnotated(true, "after the node reported it captured")
 
 	// The pod opts out: the annotation goes while it is still captured.
 	patch := []byte(`{"metadata":{"labels":{"` + DataplaneModeLabel + `":"` + ModeNone + `"}}}`)
@@ -93,11 +109,5 @@ func TestRedirectorAnnotatesOnlyCaptured(t *testing.T) {
 			break
 		}
 	}
-	deadline = time.Now().Add(10 * time.Second)
-	for annotated() {
-		if time.Now().After(deadline) {
-			t.Fatal("annotation kept 10s after the pod opted out")
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	waitAnnotated(false, "after the pod opted out")
 }
