@@ -32,7 +32,11 @@ func TestRedirectorAnnotatesOnlyCaptured(t *testing.T) {
 	enroll := func(s map[registry.WorkloadRef]bool) {
 		select {
 		case sets <- s:
-			<-proceed
+		case <-ctx.Done():
+			return
+		}
+		select { // a failed assertion cancels ctx: Run must end
+		case <-proceed:
 		case <-ctx.Done():
 		}
 	}
