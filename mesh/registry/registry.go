@@ -79,6 +79,13 @@ type Workload struct {
 	PortPeerAuth map[uint16]PeerAuth
 	// Health decides whether services pick the workload as an endpoint.
 	Health Health
+	// Refused, when not empty, says why the node proxy refuses this
+	// workload (a category: "waypoint", "network", …): the control plane
+	// put it in the mesh with a feature meshtun does not implement. A
+	// refused workload of the node is still captured (so that it is not
+	// left reachable in plaintext), but every connection to it and from it
+	// is denied; it has no certificate.
+	Refused string
 	// ProbePorts are the ports the workload serves health probes on: the
 	// node itself reaches them directly (not proxied, not authorized),
 	// even under STRICT. From anywhere else they are ordinary ports.
@@ -391,11 +398,17 @@ func Build(m Model) (*Snapshot, error) {
 			return nil, fmt.Errorf("registry: workload %s: identity: %w", &w, err)
 		}
 		w.Identity = id
-		w.authz, err = policy.NewSet(idx.forWorkload(w.Namespace, w.Labels), w.PeerAuth == Strict)
+		if w.Refused != "" {
+			// Nothing reaches it: one policy that denies everything
+			// (which also makes every port of it intercepted).
+			w.authz, err = policy.NewSet([]*policy.Policy{refusedPolicy}, true)
+		} else {
+			w.authz, err = policy.NewSet(idx.forWorkload(w.Namespace, w.Labels), w.PeerAuth == Strict)
+		}
 		if err != nil {
 			return nil, fmt.Errorf("registry: workload %s: %w", &w, err)
 		}
-		if len(w.PortPeerAuth) > 0 {
+		if len(w.PortPeerAuth) > 0 && w.Refused == "" {
 			ports := make(map[uint16]bool, len(w.PortPeerAuth))
 			for p, m := range w.PortPeerAuth {
 				ports[p] = m == Strict
