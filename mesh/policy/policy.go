@@ -232,6 +232,11 @@ type Policy struct {
 	Selector map[string]string
 	Action   Action
 	Rules    []Rule
+	// DryRun: the policy is evaluated but not enforced (Istio's
+	// istio.io/dry-run annotation): like an AUDIT policy, a match is
+	// reported in Decision.Audit for the log, where Action says what the
+	// policy would have done.
+	DryRun bool
 
 	id    string
 	rules []rule
@@ -440,11 +445,11 @@ func NewSet(ps []*Policy, strict bool) (Set, error) {
 		if p == nil || !p.built {
 			return Set{}, errors.New("policy: NewSet: policy not built by New")
 		}
-		switch p.Action {
-		case Deny:
-			s.deny = append(s.deny, p)
-		case Audit:
+		switch {
+		case p.DryRun || p.Action == Audit:
 			s.audit = append(s.audit, p)
+		case p.Action == Deny:
+			s.deny = append(s.deny, p)
 		default:
 			s.allow = append(s.allow, p)
 		}

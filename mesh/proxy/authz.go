@@ -21,6 +21,11 @@ func (e *deniedError) Error() string { return e.d.String() }
 // matched; the policy's namespace/name is its "policy" field.
 const AuditMessage = "audit policy matched"
 
+// DryRunMessage is the log message of a connection a dry-run policy
+// matched: "policy" names it, "dry_run_action" says what it would have
+// done (ALLOW or DENY), "allowed" what the enforced policies decided.
+const DryRunMessage = "dry-run policy matched"
+
 // authorized is a connection the destination's policies allowed.
 type authorized struct{ req policy.Request }
 
@@ -32,8 +37,13 @@ func (p *Proxy) authorize(snap *registry.Snapshot, peer spiffeid.ID, src netip.A
 	r := policy.Request{Peer: peer, Source: src, Dest: dst}
 	d := snap.Authorize(&r)
 	if d.Audit != nil {
-		p.log.Info().Str("policy", d.Audit.ID()).Str("src.addr", src.String()).Str("dst.addr", dst.String()).
-			Str("src.identity", peer.String()).Bool("allowed", d.Allowed).Msg(AuditMessage)
+		ev := p.log.Info().Str("policy", d.Audit.ID()).Str("src.addr", src.String()).Str("dst.addr", dst.String()).
+			Str("src.identity", peer.String()).Bool("allowed", d.Allowed)
+		if d.Audit.DryRun {
+			ev.Str("dry_run_action", d.Audit.Action.String()).Msg(DryRunMessage)
+		} else {
+			ev.Msg(AuditMessage)
+		}
 	}
 	if !d.Allowed {
 		return nil, &deniedError{d}
