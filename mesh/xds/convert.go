@@ -9,6 +9,7 @@ import (
 	"strings"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"google.golang.org/protobuf/reflect/protoreflect"
 	"istio.io/istio/pkg/workloadapi"
 	"istio.io/istio/pkg/workloadapi/security"
 
@@ -32,6 +33,7 @@ func policyLabel(key string) string { return policyLabelPrefix + key }
 type workload struct {
 	w        *registry.Workload
 	services map[string][]*workloadapi.Port
+	pod      bool // a Kubernetes pod (istiod's uid <cluster>//Pod/…)
 }
 
 // service is one converted istio.workload.Service.
@@ -53,30 +55,40 @@ type converter struct {
 	peer    registry.PeerAuth
 }
 
+// refusal is why meshtun refuses a resource it understands: a feature it
+// does not implement. reason is a short category for metrics.
+type refusal struct {
+	reason string
+	msg    string
+}
+
+func (r *refusal) Error() string { return r.msg }
+
+// Reasons of refusals (registry.Workload.Refused).
+const (
+	RefusedWaypoint       = "waypoint"
+	RefusedNetwork        = "network"
+	RefusedTrustDomain    = "trust_domain"
+	RefusedExtensions     = "extensions"
+	RefusedTunnelProtocol = "tunnel_protocol"
+)
+
+func refuse(reason, format string, args ...any) error {
+	return &refusal{reason: reason, msg: fmt.Sprintf(format, args...)}
+}
+
 // workload converts a WDS workload. A nil result with a nil error is a
 // workload meshtun does not model (host-network pods: their addresses are
-// their node's).
+// their node's). A workload meshtun understands but refuses (a waypoint,
+// another network, …) is returned with a *refusal error: what is known of
+// it (name, node, addresses) lets the node capture it and deny it rather
+// than leave it open.
 func (c *converter) workload(in *workloadapi.Workload) (*workload, error) {
 	if in.Name == "" || in.Namespace == "" {
 		return nil, errors.New("workload without name or namespace")
 	}
 	if in.NetworkMode == workloadapi.NetworkMode_HOST_NETWORK {
 		return nil, nil
-	}
-	if in.Waypoint != nil {
-		return nil, fmt.Errorf("workload %s/%s requires waypoint %s: meshtun has no waypoint support (L7 policy would be bypassed), so it refuses the workload", in.Namespace, in.Name, gatewayString(in.Waypoint))
-	}
-	if in.NetworkGateway != nil {
-		return nil, fmt.Errorf("workload %s/%s is reached through network gateway %s: multi-network meshes are not supported", in.Namespace, in.Name, gatewayString(in.NetworkGateway))
-	}
-	if in.Network != c.network {
-		return nil, fmt.Errorf("workload %s/%s is on network %q, this node on %q: multi-network meshes are not supported", in.Namespace, in.Name, in.Network, c.network)
-	}
-	if in.TrustDomain != "" && in.TrustDomain != c.td.Name() {
-		return nil, fmt.Errorf("workload %s/%s has trust domain %q, the mesh %q: one trust domain is supported", in.Namespace, in.Name, in.TrustDomain, c.td.Name())
-	}
-	if len(in.Extensions) > 0 {
-		return nil, fmt.Errorf("workload %s/%s has extensions (%s), which meshtun does not understand", in.Namespace, in.Name, extNames(in.Extensions))
 	}
 	w := &registry.Workload{
 		Name: in.Name, Namespace: in.Namespace, ServiceAccount: in.ServiceAccount, Node: in.Node,
@@ -85,12 +97,6 @@ func (c *converter) workload(in *workloadapi.Workload) (*workload, error) {
 		UID:      in.Uid, WorkloadName: in.WorkloadName, WorkloadType: workloadType(in.WorkloadType),
 		CanonicalName: in.CanonicalName, CanonicalRevision: in.CanonicalRevision, Cluster: in.ClusterId,
 	}
-	if in.TunnelProtocol == workloadapi.TunnelProtocol_LEGACY_ISTIO_MTLS {
-		return nil, fmt.Errorf("workload %s/%s uses tunnel protocol LEGACY_ISTIO_MTLS (a sidecar's mTLS), which meshtun does not speak", in.Namespace, in.Name)
-	}
-	if in.Status == workloadapi.WorkloadStatus_UNHEALTHY {
-		w.Health = registry.Unhealthy
-	}
 	for i, b := range in.Addresses {
 		a, ok := netip.AddrFromSlice(b)
 		if !ok {
@@ -98,13 +104,43 @@ func (c *converter) workload(in *workloadapi.Workload) (*workload, error) {
 		}
 		w.Addresses = append(w.Addresses, a.Unmap())
 	}
+	// A pod's address is the cluster network's, routed to it; anything
+	// else (a WorkloadEntry, a ServiceEntry's endpoint) is declared, and
+	// loses an address conflict against a pod.
+	out := &workload{w: w, pod: strings.Contains(in.Uid, "//Pod/")}
+	refused := func(reason, format string, args ...any) (*workload, error) {
+		// Known only to be captured and denied: no labels, no services.
+		w.InMesh = in.TunnelProtocol != workloadapi.TunnelProtocol_NONE
+		w.Refused = reason
+		return out, refuse(reason, format, args...)
+	}
+	if in.Waypoint != nil {
+		return refused(RefusedWaypoint, "workload %s/%s requires waypoint %s: meshtun has no waypoint support (L7 policy would be bypassed), so it refuses the workload", in.Namespace, in.Name, gatewayString(in.Waypoint))
+	}
+	if in.NetworkGateway != nil {
+		return refused(RefusedNetwork, "workload %s/%s is reached through network gateway %s: multi-network meshes are not supported", in.Namespace, in.Name, gatewayString(in.NetworkGateway))
+	}
+	if in.Network != c.network {
+		return refused(RefusedNetwork, "workload %s/%s is on network %q, this node on %q: multi-network meshes are not supported", in.Namespace, in.Name, in.Network, c.network)
+	}
+	if in.TrustDomain != "" && in.TrustDomain != c.td.Name() {
+		return refused(RefusedTrustDomain, "workload %s/%s has trust domain %q, the mesh %q: one trust domain is supported", in.Namespace, in.Name, in.TrustDomain, c.td.Name())
+	}
+	if len(in.Extensions) > 0 {
+		return refused(RefusedExtensions, "workload %s/%s has extensions (%s), which meshtun does not understand", in.Namespace, in.Name, extNames(in.Extensions))
+	}
+	if in.TunnelProtocol == workloadapi.TunnelProtocol_LEGACY_ISTIO_MTLS {
+		return refused(RefusedTunnelProtocol, "workload %s/%s uses tunnel protocol LEGACY_ISTIO_MTLS (a sidecar's mTLS), which meshtun does not speak", in.Namespace, in.Name)
+	}
+	if in.Status == workloadapi.WorkloadStatus_UNHEALTHY {
+		w.Health = registry.Unhealthy
+	}
 	if len(in.AuthorizationPolicies) > 0 {
 		w.Labels = make(map[string]string, len(in.AuthorizationPolicies))
 		for _, k := range in.AuthorizationPolicies {
 			w.Labels[policyLabel(k)] = "true"
 		}
 	}
-	out := &workload{w: w}
 	if len(in.Services) > 0 {
 		out.services = make(map[string][]*workloadapi.Port, len(in.Services))
 		for k, pl := range in.Services {
@@ -177,17 +213,21 @@ func (c *converter) service(in *workloadapi.Service) (*service, error) {
 	return out, nil
 }
 
-// authorization converts an istio.security.Authorization. A nil result
-// with a nil error is a policy that is not enforced (dry run).
+// authorization converts an istio.security.Authorization. A dry-run
+// policy is converted too, marked DryRun: it is evaluated and its matches
+// logged, not enforced.
 func (c *converter) authorization(in *security.Authorization) (*policy.Policy, error) {
 	key := in.Namespace + "/" + in.Name
-	if in.DryRun {
-		return nil, nil
+	if hasUnknownFields(in.ProtoReflect()) {
+		// A newer istiod's field: it may restrict what the policy
+		// matches, or whom it applies to; ignoring it could allow what
+		// the policy denies.
+		return nil, fmt.Errorf("authorization %s has fields this meshtun does not know (sent by a newer istiod?)", key)
 	}
 	if len(in.Extensions) > 0 {
 		return nil, fmt.Errorf("authorization %s has extensions (%s), which meshtun does not understand", key, extNames(in.Extensions))
 	}
-	p := policy.Policy{Name: in.Name, Namespace: in.Namespace}
+	p := policy.Policy{Name: in.Name, Namespace: in.Namespace, DryRun: in.DryRun}
 	switch in.Action {
 	case security.Action_ALLOW:
 		p.Action = policy.Allow
@@ -473,4 +513,34 @@ func extNames(es []*workloadapi.Extension) string {
 // ("deployment", "cronjob", "pod", "job").
 func workloadType(t workloadapi.WorkloadType) string {
 	return strings.ToLower(t.String())
+}
+
+// hasUnknownFields reports whether m or any message in it carries fields
+// its schema (the istio.io/istio version meshtun was built with) does not
+// have.
+func hasUnknownFields(m protoreflect.Message) bool {
+	if len(m.GetUnknown()) > 0 {
+		return true
+	}
+	found := false
+	m.Range(func(fd protoreflect.FieldDescriptor, v protoreflect.Value) bool {
+		switch {
+		case fd.IsList() && fd.Message() != nil:
+			l := v.List()
+			for i := 0; i < l.Len() && !found; i++ {
+				found = hasUnknownFields(l.Get(i).Message())
+			}
+		case fd.IsMap():
+			if fd.MapValue().Message() != nil {
+				v.Map().Range(func(_ protoreflect.MapKey, mv protoreflect.Value) bool {
+					found = hasUnknownFields(mv.Message())
+					return !found
+				})
+			}
+		case fd.Message() != nil:
+			found = hasUnknownFields(v.Message())
+		}
+		return !found
+	})
+	return found
 }

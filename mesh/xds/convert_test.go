@@ -12,7 +12,6 @@ import (
 	"istio.io/istio/pkg/workloadapi/security"
 
 	"github.com/meshtun/meshtun/mesh/policy"
-	"github.com/meshtun/meshtun/mesh/registry"
 )
 
 func exact(s string) *security.StringMatch {
@@ -107,7 +106,7 @@ func TestUnappliablePolicyFailsClosed(t *testing.T) {
 	if !strings.Contains(nack, "ns/mixed") || !strings.Contains(nack, "denying every connection") {
 		t.Fatalf("NACK %q", nack)
 	}
-	snap, err := registry.Build(src.model(src.st))
+	snap, _, _, err := src.build(src.st)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -7,23 +7,29 @@ import (
 	"github.com/meshtun/meshtun/mesh/registry"
 )
 
-// addrEntry is one istio.workload.Address resource as applied: a
-// workload, a service, or neither (a resource meshtun accepts but does not
-// model).
+// addrEntry is one istio.workload.Address resource as istiod last sent
+// it, converted: a workload, a service, or neither (a resource meshtun
+// accepts but does not model). err says why meshtun refuses it; a refused
+// workload keeps what is known of it (w.w.Refused is set), for the node
+// to capture and deny it if it is local.
 type addrEntry struct {
 	version string
 	w       *workload
 	s       *service
+	err     error
 }
 
-// authzEntry is one istio.security.Authorization resource as applied; p
-// is nil for a policy that is not enforced (dry run).
+// authzEntry is one istio.security.Authorization resource as istiod last
+// sent it, converted; p is the policy that stands for it (a deny-all one
+// if meshtun cannot apply it, see convert), nil if none does.
 type authzEntry struct {
 	version string
 	p       *policy.Policy
+	err     error
 }
 
-// state is the applied resources of both types, by resource name.
+// state is the resources of both types as istiod last sent them, by
+// resource name: the model is built from it, whatever was NACKed.
 type state struct {
 	addrs map[string]addrEntry
 	authz map[string]authzEntry
@@ -40,34 +46,56 @@ func (s state) clone() state {
 	return n
 }
 
-// model assembles the registry model of a state: workloads in resource
-// name order (in the mesh if Enroll says so), services with their
-// endpoints (the workloads that list them) and the target ports the
-// endpoints give, policies after the config file's. src.mu is held.
-func (src *Source) model(st state) registry.Model {
+// origin says which resource each object of a model came from: the
+// resource names of Model.Workloads and Model.Services, by index.
+type origin struct {
+	workloads, services []string
+}
+
+// model assembles the registry model of a state: workloads pods first,
+// then in resource name order (the precedence registry.Resolve applies:
+// a pod keeps its address against a WorkloadEntry or a ServiceEntry
+// endpoint that claims it), in the mesh if Enroll says so; refused
+// workloads only if they are this node's and in the mesh (captured and
+// denied); services in resource name order with their endpoints (the
+// workloads that list them) and the target ports the endpoints give;
+// policies after the config file's. src.mu is held.
+func (src *Source) model(st state) (registry.Model, origin) {
 	m := registry.Model{
 		TrustDomain: src.cfg.TrustDomain, RootNamespace: src.cfg.RootNamespace,
 		DomainSuffix: src.cfg.DomainSuffix,
 	}
+	var o origin
 	names := sortedKeys(st.addrs)
+	wnames := make([]string, 0, len(names))
+	for _, n := range names {
+		if e := st.addrs[n]; e.w != nil {
+			wnames = append(wnames, n)
+		}
+	}
+	sort.SliceStable(wnames, func(i, j int) bool {
+		return st.addrs[wnames[i]].w.pod && !st.addrs[wnames[j]].w.pod
+	})
 	type member struct {
 		ref   registry.WorkloadRef
 		ports map[uint32]uint32 // service port → target port
 	}
 	members := map[string][]member{}
-	for _, n := range names {
+	for _, n := range wnames {
 		e := st.addrs[n]
-		if e.w == nil {
-			continue
-		}
 		w := e.w.w
 		ref := registry.WorkloadRef{Namespace: w.Namespace, Name: w.Name}
-		if !w.InMesh && w.Node != "" && w.Node == src.cfg.Node.NodeName && src.enrolled[ref] {
+		local := w.Node != "" && w.Node == src.cfg.Node.NodeName
+		if !w.InMesh && local && src.enrolled[ref] {
 			c := *w
 			c.InMesh = true
 			w = &c
 		}
+		if w.Refused != "" && (!local || !w.InMesh) {
+			continue // not this node's to capture: left out, as NACKed
+		}
 		m.Workloads = append(m.Workloads, w)
+		o.workloads = append(o.workloads, n)
 		for key, ps := range e.w.services {
 			mb := member{ref: ref}
 			for _, p := range ps {
@@ -114,6 +142,7 @@ func (src *Source) model(st state) registry.Model {
 			}
 		}
 		m.Services = append(m.Services, &svc)
+		o.services = append(o.services, n)
 	}
 	m.Policies = append(m.Policies, src.cfg.Policies...)
 	for _, n := range sortedKeys(st.authz) {
@@ -121,7 +150,7 @@ func (src *Source) model(st state) registry.Model {
 			m.Policies = append(m.Policies, p)
 		}
 	}
-	return m
+	return m, o
 }
 
 func sortedKeys[V any](m map[string]V) []string {

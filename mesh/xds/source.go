@@ -6,18 +6,25 @@
 // type.googleapis.com/istio.security.Authorization (L4 authorization
 // policies, among them istiod's translation of PeerAuthentication).
 //
-// Every response is converted resource by resource: what meshtun can
-// honour is applied and ACKed; a resource it cannot apply (a waypoint it
+// Every response is converted resource by resource, and the source keeps
+// istiod's state as istiod last sent it, whatever it NACKs; the model is
+// built from that state. A resource meshtun cannot apply (a waypoint it
 // would bypass, another network, an unknown extension…) is NACKed with a
-// message naming it, its previous version (if any) stays, and the rest of
-// the response still applies. An authorization policy it cannot apply is
-// the exception: it is replaced by a policy that denies every connection
-// in its scope (fail closed), since leaving it out would let in what it
-// denies. A response whose resources together do not
-// make a valid model (two workloads on one address) is NACKed whole and
-// the last good model stays. The stream is reopened with backoff when it
-// breaks, and the model is kept meanwhile; the first response of each type
-// on a new stream is the control plane's full state and replaces it.
+// message naming it and fails closed: a workload of this node that
+// meshtun refuses is captured and every connection to or from it denied
+// (a workload of another node is left out), and an authorization policy
+// it cannot apply (or that has fields it does not know) is replaced by a
+// policy that denies every connection in its scope, since leaving it out
+// would let in what it denies. Dry-run policies are evaluated and their
+// matches logged, not enforced. Resources that do not hold together (a
+// ServiceEntry VIP that is a pod's address, a WorkloadEntry on a pod's
+// IP, which istiod does send) are resolved one by one by
+// registry.Resolve, pods first, then by resource name, and only the
+// losing resource is NACKed: a response, a full state in particular, is
+// never refused whole. The stream is reopened with backoff when it
+// breaks, and the model is kept meanwhile; the first response of each
+// type on a new stream is the control plane's full state and replaces
+// it.
 //
 // The result is a registry.Snapshot, delivered like the Kubernetes source
 // delivers its own (Start, then Updates), so the proxy does not know where
@@ -106,11 +113,18 @@ type Config struct {
 	// Policies are authorization policies from the config file, added to
 	// every snapshot.
 	Policies []*policy.Policy
+	// MaxMessageSize bounds a response from istiod (DefaultMaxMessageSize
+	// if zero): a full state comes in one, ~270 bytes per workload.
+	MaxMessageSize int
 	// MinBackoff and MaxBackoff bound the wait before reconnecting
 	// (defaults 500ms and 30s).
 	MinBackoff, MaxBackoff time.Duration
 	Logger                 zerolog.Logger
 }
+
+// DefaultMaxMessageSize is Config.MaxMessageSize's default: 64 MiB,
+// a full state of ~240,000 workloads (27 MB for 100,000 measured).
+const DefaultMaxMessageSize = 64 << 20
 
 // Status is what the source last did, for /config_dump.
 type Status struct {
@@ -135,6 +149,12 @@ type Status struct {
 	Workloads int `json:"workloads"`
 	Services  int `json:"services"`
 	Policies  int `json:"policies"`
+	// Conflicts counts the objects of istiod's state left out or trimmed
+	// because they conflict with others (registry.Resolve); Refused the
+	// workloads of this node captured and denied because meshtun refuses
+	// them.
+	Conflicts int `json:"conflicts"`
+	Refused   int `json:"refused"`
 }
 
 // Source follows istiod and builds snapshots of the mesh.
@@ -160,6 +180,9 @@ func New(cfg Config) *Source {
 	}
 	if cfg.DomainSuffix == "" {
 		cfg.DomainSuffix = registry.DefaultDomainSuffix
+	}
+	if cfg.MaxMessageSize <= 0 {
+		cfg.MaxMessageSize = DefaultMaxMessageSize
 	}
 	if cfg.MinBackoff <= 0 {
 		cfg.MinBackoff = 500 * time.Millisecond
@@ -224,9 +247,9 @@ func (s *Source) Enroll(refs map[registry.WorkloadRef]bool) {
 	if !s.received() {
 		return // Start gets the first model, with the set applied
 	}
-	snap, err := registry.Build(s.model(s.st))
+	snap, _, _, err := s.build(s.st) // apply logged the conflicts
 	if err != nil {
-		// The same resources built before: only InMesh changed.
+		// Resolve leaves nothing Build refuses: a bug.
 		s.log.Error().Err(err).Msg("cannot build the mesh model with this node's enrolled pods; keeping the last one")
 		return
 	}
@@ -301,37 +324,33 @@ type response struct {
 	removed   []string
 }
 
-// apply applies a response: it converts each resource, builds the model
-// with the ones that convert, and returns the NACK message ("" for an
-// ACK). The state changes only if the model builds.
+// apply applies a response and returns the NACK message ("" for an
+// ACK). The state always becomes what istiod sent, whatever is NACKed:
+// a resource meshtun refuses is recorded as refused (a local workload is
+// then captured and denied, a policy replaced by a deny-all one), and a
+// NACK does not hold back the rest of the response, nor later full
+// states. The model is built from the whole state; objects that conflict
+// (a ServiceEntry VIP that is a pod's address, a WorkloadEntry on a pod's
+// IP) are resolved one by one by registry.Resolve, and the NACK names the
+// losing resources of this response.
 func (s *Source) apply(r response) (nack string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	next := s.st.clone()
-	var errs []string
 	if r.full {
+		// The first response of a type on a stream is istiod's whole
+		// state of it: what it no longer sends is gone.
 		switch r.typeURL {
 		case AddressType:
-			// Resources that fail below keep their last good version;
-			// the ones the control plane no longer sends are gone.
-			keep := next.addrs
-			next.addrs = map[string]addrEntry{}
-			for _, res := range r.resources {
-				if e, ok := keep[res.Name]; ok {
-					next.addrs[res.Name] = e
-				}
-			}
+			next.addrs = make(map[string]addrEntry, len(r.resources))
 		case AuthorizationType:
-			keep := next.authz
-			next.authz = map[string]authzEntry{}
-			for _, res := range r.resources {
-				if e, ok := keep[res.Name]; ok {
-					next.authz[res.Name] = e
-				}
-			}
+			next.authz = make(map[string]authzEntry, len(r.resources))
 		}
 	}
+	var errs []string
+	inResponse := make(map[string]bool, len(r.resources))
 	for _, res := range r.resources {
+		inResponse[res.Name] = true
 		if err := s.convert(r.typeURL, res, next); err != nil {
 			errs = append(errs, fmt.Sprintf("%s: %v", res.Name, err))
 		}
@@ -344,22 +363,50 @@ func (s *Source) apply(r response) (nack string) {
 			delete(next.authz, name)
 		}
 	}
-	m := s.model(next)
-	snap, err := registry.Build(m)
-	s.status.Built = time.Now()
-	s.status.Builds++
-	if err != nil {
-		msg := fmt.Sprintf("the model does not build, keeping the last good one: %v", err)
-		s.log.Error().Err(err).Str("type", r.typeURL).Msg("cannot build the mesh model from istiod's resources; keeping the last good one")
-		return msg
-	}
 	s.st = next
 	s.got[r.typeURL] = true
 	ready := s.received()
-	s.status.Workloads, s.status.Services = len(m.Workloads), len(m.Services)
-	s.status.Policies = len(m.Policies) - len(s.cfg.Policies)
+
+	snap, conflicts, o, err := s.build(next)
+	for _, c := range conflicts {
+		var name string
+		switch c.Kind {
+		case registry.KindWorkload:
+			name = o.workloads[c.Index]
+		case registry.KindService:
+			name = o.services[c.Index]
+		default:
+			name = "policy " + c.Name // the config file's or a converted one: cannot conflict
+		}
+		ev := s.log.Warn()
+		if inResponse[name] {
+			errs = append(errs, fmt.Sprintf("%s: conflicts with another resource: %s", name, c))
+			ev = s.log.Error()
+		}
+		ev.Str("resource", name).Str("conflict", c.String()).Msg("istiod's resources conflict; resolved resource by resource")
+	}
+	s.status.Built = time.Now()
+	s.status.Builds++
+	s.status.Conflicts = len(conflicts)
+	if err != nil {
+		// Resolve leaves nothing Build refuses: a bug. The state is
+		// istiod's all the same, so the next response builds from it.
+		s.log.Error().Err(err).Str("type", r.typeURL).Msg("cannot build the mesh model from istiod's resources; keeping the last one")
+		errs = append(errs, fmt.Sprintf("the model does not build: %v", err))
+		return "meshtun cannot apply: " + strings.Join(errs, "; ")
+	}
+	refused := 0
+	for _, w := range snap.Workloads {
+		if w.Refused != "" {
+			refused++
+		}
+	}
+	s.status.Workloads, s.status.Services = len(snap.Workloads), len(snap.Services)
+	s.status.Policies = len(snap.Policies) - len(s.cfg.Policies)
+	s.status.Refused = refused
 	s.log.Info().Str("type", r.typeURL).Int("resources", len(r.resources)).Int("removed", len(r.removed)).Bool("full", r.full).
-		Int("workloads", len(m.Workloads)).Int("services", len(m.Services)).Int("rejected", len(errs)).Msg("applied istiod's update")
+		Int("workloads", len(snap.Workloads)).Int("services", len(snap.Services)).Int("rejected", len(errs)).
+		Int("conflicts", len(conflicts)).Int("refused_local", refused).Msg("applied istiod's update")
 	s.publish(snap, ready)
 	if len(errs) > 0 {
 		for _, e := range errs {
@@ -368,6 +415,16 @@ func (s *Source) apply(r response) (nack string) {
 		return "meshtun cannot apply: " + strings.Join(errs, "; ")
 	}
 	return ""
+}
+
+// build builds the snapshot of a state: its model, with conflicts
+// resolved (registry.Resolve), and where each object came from. s.mu is
+// held.
+func (s *Source) build(st state) (*registry.Snapshot, []registry.Conflict, origin, error) {
+	m, o := s.model(st)
+	m, conflicts := registry.Resolve(m)
+	snap, err := registry.Build(m)
+	return snap, conflicts, o, err
 }
 
 // convert converts one resource into next, or returns why it cannot.
@@ -384,31 +441,42 @@ func (s *Source) convert(typeURL string, res *discoveryv3.Resource, next state) 
 		e := addrEntry{version: res.Version}
 		switch {
 		case a.GetWorkload() != nil:
-			w, err := s.conv.workload(a.GetWorkload())
-			if err != nil {
-				return err
+			e.w, e.err = s.conv.workload(a.GetWorkload())
+			if e.err != nil && e.w != nil {
+				if w := e.w.w; w.InMesh && w.Node != "" && w.Node == s.cfg.Node.NodeName {
+					s.log.Error().Str("resource", res.Name).Str("workload", w.String()).Str("reason", w.Refused).Err(e.err).
+						Msg("refusing a workload of this node: it is captured and every connection to or from it is denied until istiod sends a version meshtun can apply")
+				}
 			}
-			e.w = w
 		case a.GetService() != nil:
-			svc, err := s.conv.service(a.GetService())
-			if err != nil {
-				return err
-			}
-			e.s = svc
+			e.s, e.err = s.conv.service(a.GetService())
 		default:
-			return errors.New("address is neither a workload nor a service")
+			e.err = errors.New("address is neither a workload nor a service")
 		}
 		next.addrs[res.Name] = e
+		return e.err
 	case AuthorizationType:
 		var a security.Authorization
 		if err := anypb.UnmarshalTo(res.Resource, &a, proto.UnmarshalOptions{}); err != nil {
-			return fmt.Errorf("not an istio.security.Authorization: %w", err)
+			// Not even its scope is known: the previous version, if
+			// any, stays (a deny-all could only guess where to apply).
+			err = fmt.Errorf("not an istio.security.Authorization: %w", err)
+			if e, ok := next.authz[res.Name]; ok {
+				e.err = err
+				next.authz[res.Name] = e
+			}
+			return err
 		}
 		p, err := s.conv.authorization(&a)
-		if err != nil {
+		switch {
+		case err != nil && a.DryRun:
+			// Not enforced anyway: leaving it out denies nothing more.
+			next.authz[res.Name] = authzEntry{version: res.Version, err: err}
+			return fmt.Errorf("%w (a dry-run policy: not evaluated)", err)
+		case err != nil:
 			// Fail closed: the workloads it would apply to refuse every
 			// connection until istiod sends a version meshtun can apply.
-			next.authz[res.Name] = authzEntry{version: res.Version, p: s.conv.denyAll(&a)}
+			next.authz[res.Name] = authzEntry{version: res.Version, p: s.conv.denyAll(&a), err: err}
 			return fmt.Errorf("%w (denying every connection in its scope instead)", err)
 		}
 		next.authz[res.Name] = authzEntry{version: res.Version, p: p}

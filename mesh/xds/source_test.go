@@ -339,14 +339,19 @@ func TestSourceAppliesACKsNACKsAndResubscribes(t *testing.T) {
 		t.Errorf("NACK message %q does not name the resource and the waypoint", msg)
 	}
 	snap = next(t, src, "d applied", func(s *registry.Snapshot) bool { return s.Workload(netip.MustParseAddr("10.0.0.4")) != nil })
-	if snap.Workload(netip.MustParseAddr("10.0.0.9")) != nil {
-		t.Error("the waypoint workload is in the model")
+	// It is this node's: captured (in the mesh), refused, denied.
+	if w := snap.Workload(netip.MustParseAddr("10.0.0.9")); w == nil || !w.InMesh || w.Refused != RefusedWaypoint {
+		t.Errorf("the refused waypoint workload of this node: %+v", w)
+	}
+	if d := snap.Authorize(&policy.Request{Peer: c, Dest: netip.MustParseAddrPort("10.0.0.9:8080")}); d.Allowed {
+		t.Errorf("the refused workload allows a connection: %v", d)
 	}
 	if st := src.Status(); st.NACKs != 1 || !strings.Contains(st.LastNACK, "waypoint") {
 		t.Errorf("status %+v", st)
 	}
 
-	// A bad update of a known resource keeps its last good version.
+	// A bad update of a known resource is istiod's state all the same:
+	// the workload (on this node) is refused, no longer as it was.
 	bad := wl("default", "a", "10.0.0.1", "node1")
 	bad.GetWorkload().Network = "elsewhere"
 	must(f.addrs.UpdateResources(map[string]types.Resource{
@@ -354,8 +359,8 @@ func TestSourceAppliesACKsNACKsAndResubscribes(t *testing.T) {
 		"Kubernetes//Pod/default/e": wl("default", "e", "10.0.0.5", "node2"),
 	}, nil))
 	snap = next(t, src, "e applied", func(s *registry.Snapshot) bool { return s.Workload(netip.MustParseAddr("10.0.0.5")) != nil })
-	if snap.Workload(netip.MustParseAddr("10.0.0.1")) == nil {
-		t.Error("a's last good version is gone after a bad update")
+	if w := snap.Workload(netip.MustParseAddr("10.0.0.1")); w == nil || w.Refused != RefusedNetwork {
+		t.Errorf("a after a bad update: %+v", w)
 	}
 
 	// istiod restarts; while it is down the model stays; what it removed

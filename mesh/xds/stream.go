@@ -31,6 +31,9 @@ func (s *Source) stream(ctx context.Context) error {
 		return fmt.Errorf("istiod root certificate %s: no PEM certificate in it", s.cfg.RootCertFile)
 	}
 	opts := []grpc.DialOption{
+		// A full state is one message: gRPC's default limit (4 MiB,
+		// ~13k workloads) would make a large mesh undeliverable.
+		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(s.cfg.MaxMessageSize)),
 		grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{
 			RootCAs: pool, ServerName: s.cfg.ServerName, MinVersion: tls.VersionTLS12,
 		})),
