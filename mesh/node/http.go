@@ -121,6 +121,9 @@ type workloadDump struct {
 	PortPeerAuthentication map[uint16]string `json:"portPeerAuthentication,omitempty"`
 	ProbePorts             []uint16          `json:"probePorts,omitempty"`
 	Identity               string            `json:"identity,omitempty"`
+	// Refused says why meshtun refuses the workload (captured, every
+	// connection denied), if it does.
+	Refused string `json:"refused,omitempty"`
 }
 
 type serviceDump struct {
@@ -161,7 +164,7 @@ func (n *node) configDump(w http.ResponseWriter, r *http.Request) {
 	for _, wl := range snap.Workloads {
 		wd := workloadDump{Name: wl.Name, Namespace: wl.Namespace, ServiceAccount: wl.ServiceAccount, Node: wl.Node,
 			Addresses: wl.Addresses, Labels: wl.Labels, InMesh: wl.InMesh, PeerAuthentication: wl.PeerAuth.String(),
-			ProbePorts: wl.ProbePorts}
+			ProbePorts: wl.ProbePorts, Refused: wl.Refused}
 		for port, m := range wl.PortPeerAuth {
 			if wd.PortPeerAuthentication == nil {
 				wd.PortPeerAuthentication = make(map[uint16]string, len(wl.PortPeerAuth))

@@ -112,11 +112,25 @@ const ReadyMessage = "node ready"
 // set: the node is in the path but protects nothing.
 const NoInterceptWarning = "--no-intercept: NOTHING IS ENFORCED: no mTLS, no authorization, no STRICT peer authentication; every packet passes the TUN verbatim (for measuring the TUN path only)"
 
-// localWorkloads returns the mesh workloads of node name.
+// localWorkloads returns the mesh workloads of node name: the ones it
+// captures, refused ones included (captured to be denied).
 func localWorkloads(s *registry.Snapshot, name string) []*registry.Workload {
 	var out []*registry.Workload
 	for _, w := range s.Workloads {
 		if w.InMesh && w.Node == name {
+			out = append(out, w)
+		}
+	}
+	return out
+}
+
+// withCertificates returns the workloads of locals that get a
+// certificate: all but the refused ones, which nothing may reach or
+// leave.
+func withCertificates(locals []*registry.Workload) []*registry.Workload {
+	out := make([]*registry.Workload, 0, len(locals))
+	for _, w := range locals {
+		if w.Refused == "" {
 			out = append(out, w)
 		}
 	}
@@ -181,8 +195,9 @@ func Run(ctx context.Context, cfg Config) (err error) {
 		return err
 	}
 	defer n.svids.Close()
-	ids := make([]spiffeid.ID, len(locals))
-	for i, w := range locals {
+	certified := withCertificates(locals)
+	ids := make([]spiffeid.ID, len(certified))
+	for i, w := range certified {
 		ids[i] = w.Identity
 	}
 	if err := n.svids.AddAll(ctx, ids); err != nil {
@@ -281,7 +296,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	n.hs, err = hbone.NewServer(hbone.ServerConfig{
 		TLS: identity.ServerTLS(n.svids, cfg.Mesh.TrustDomain, func(local netip.Addr) (spiffeid.ID, bool) {
 			w := n.reg.Load().Workload(local)
-			if w == nil || !w.InMesh || w.Node != cfg.Name {
+			if w == nil || !w.InMesh || w.Node != cfg.Name || w.Refused != "" {
 				return spiffeid.ID{}, false
 			}
 			return w.Identity, true
@@ -308,6 +323,9 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	n.hl = &hboneListeners{st: n.st, serve: n.px.ServeNetstackHBONE, log: log, open: map[netip.Addr]*stack.Listener{}}
 	n.hl.sync(locals)
 	if err := n.metrics.Register(metrics.DataPlane(n.dataPlaneStats)); err != nil {
+		return fmt.Errorf("node: metrics: %w", err)
+	}
+	if err := n.metrics.Register(refusedCollector{n.reg, cfg.Name}); err != nil {
 		return fmt.Errorf("node: metrics: %w", err)
 	}
 
@@ -644,8 +662,9 @@ func (n *node) apply(ctx context.Context, c *config.Config, snap *registry.Snaps
 // found (with CaptureByRoute).
 func (n *node) install(ctx context.Context, snap *registry.Snapshot, links []tun.CaptureLink, updateCapture bool) (closed, removed int, complete bool) {
 	locals := localWorkloads(snap, n.cfg.Name)
-	ids := make([]spiffeid.ID, len(locals))
-	for i, w := range locals {
+	certified := withCertificates(locals)
+	ids := make([]spiffeid.ID, len(certified))
+	for i, w := range certified {
 		ids[i] = w.Identity
 	}
 	if err := n.svids.AddAll(ctx, ids); err != nil {
@@ -653,7 +672,7 @@ func (n *node) install(ctx context.Context, snap *registry.Snapshot, links []tun
 	}
 	n.reg.Store(snap)
 	n.hl.sync(locals)
-	removed = syncSVIDs(ctx, n.svids, locals, n.log)
+	removed = syncSVIDs(ctx, n.svids, certified, n.log)
 	complete = true
 	if updateCapture {
 		n.captureMu.Lock()

@@ -112,12 +112,12 @@ var (
 	server12 = netip.MustParseAddr("198.18.1.12") // default/server, n1
 )
 
-func newStackEnv(t *testing.T) *stackEnv {
+func newStackEnv(t *testing.T, more ...*registry.Workload) *stackEnv {
 	t.Helper()
-	snap, err := registry.NewSnapshot(testTD, []*registry.Workload{
+	snap, err := registry.NewSnapshot(testTD, append([]*registry.Workload{
 		{Name: "client", Namespace: "default", Node: "n1", InMesh: true, Addresses: []netip.Addr{client11}},
 		{Name: "server", Namespace: "default", Node: "n1", InMesh: true, Addresses: []netip.Addr{server12}},
-	})
+	}, more...))
 	if err != nil {
 		t.Fatal(err)
 	}

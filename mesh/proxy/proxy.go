@@ -160,6 +160,11 @@ func (p *Proxy) local(w *registry.Workload) bool {
 // node is reached through HBONE, one on this node inside the proxy, and
 // anything else by passthrough.
 func (p *Proxy) outboundFrom(snap *registry.Snapshot, req *stack.TCPRequest, src, dst *registry.Workload) {
+	if src.Refused != "" {
+		req.Reject()
+		p.newRecord(req.Src, req.Dst, src, dst, "outbound", "refused").refused(&refusedWorkloadError{src})
+		return
+	}
 	target := req.Dst
 	svc, port := snap.Service(req.Dst)
 	if svc != nil {

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"errors"
+	"fmt"
 	"net/netip"
 	"time"
 
@@ -196,7 +197,7 @@ func responseFlags(err error) string {
 	var de *deniedError
 	var tf *tlsFailure
 	switch {
-	case errors.As(err, &de), errors.Is(err, hbone.ErrDenied):
+	case errors.As(err, &de), errors.Is(err, hbone.ErrDenied), errors.As(err, new(*refusedWorkloadError)):
 		return "DENY"
 	case errors.As(err, &tf):
 		return "TLS_FAILURE"
@@ -206,6 +207,15 @@ func responseFlags(err error) string {
 		return "DRAIN"
 	}
 	return "CONNECT"
+}
+
+// refusedWorkloadError denies a connection of a workload the control
+// plane put in the mesh with a feature meshtun refuses (registry's
+// Workload.Refused): captured so that it is not left open, and denied.
+type refusedWorkloadError struct{ w *registry.Workload }
+
+func (e *refusedWorkloadError) Error() string {
+	return fmt.Sprintf("workload %s is refused by meshtun (%s): every connection from it and to it is denied", e.w, e.w.Refused)
 }
 
 var (

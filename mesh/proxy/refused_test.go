@@ -1,0 +1,61 @@
+package proxy
+
+import (
+	"net/netip"
+	"strings"
+	"testing"
+
+	"gvisor.dev/gvisor/pkg/tcpip/header"
+
+	"github.com/meshtun/meshtun/mesh/registry"
+)
+
+// TestRefusedWorkloadDenied: a local workload the control plane put in
+// the mesh with a feature meshtun refuses is captured and denied both
+// ways: what it opens is reset without being dialled, and so is what a
+// mesh peer or a plaintext client opens to it; each refusal is logged
+// with response_flags DENY.
+func TestRefusedWorkloadDenied(t *testing.T) {
+	refused := netip.MustParseAddr("198.18.1.13")
+	e := newStackEnv(t, &registry.Workload{
+		Name: "refused", Namespace: "default", Node: "n1", InMesh: true, Refused: "waypoint",
+		Addresses: []netip.Addr{refused},
+	})
+	outsider := netip.MustParseAddr("198.18.9.9") // no workload: plaintext from outside the mesh
+	for _, c := range []struct {
+		what     string
+		from, to netip.AddrPort
+	}{
+		{"outbound from the refused workload", netip.AddrPortFrom(refused, 41000), netip.AddrPortFrom(server12, 8080)},
+		{"from a local mesh workload to it", netip.AddrPortFrom(client11, 41001), netip.AddrPortFrom(refused, 8080)},
+		{"plaintext from outside the mesh to it", netip.AddrPortFrom(outsider, 41002), netip.AddrPortFrom(refused, 8080)},
+	} {
+		e.send(t, syn(c.from, c.to))
+		s, ok := e.dev.next(t, func(s segment) bool {
+			return s.dst == c.from || s.dst == c.to && s.flags == header.TCPFlagSyn
+		})
+		switch {
+		case !ok:
+			t.Fatalf("%s: no answer to the SYN", c.what)
+		case s.dst == c.to:
+			t.Errorf("%s: the proxy dialled %s", c.what, c.to)
+			continue
+		case !s.flags.Contains(header.TCPFlagRst):
+			t.Errorf("%s: the client got %v, want a reset", c.what, s.flags)
+		}
+		rec := e.access.waitLine(t, func(l map[string]any) bool { return l["src.addr"] == c.from.String() })
+		if rec["response_flags"] != "DENY" || rec["message"] != "connection refused" {
+			t.Errorf("%s: access log %v, want a refusal with response_flags DENY", c.what, rec)
+		}
+		if err, _ := rec["error"].(string); c.from.Addr() == refused && !strings.Contains(err, "refused by meshtun (waypoint)") {
+			t.Errorf("%s: error %q does not say why", c.what, err)
+		}
+	}
+	// Control: the same connection between two ordinary workloads is dialled.
+	from := netip.AddrPortFrom(client11, 41003)
+	to := netip.AddrPortFrom(server12, 8080)
+	e.send(t, syn(from, to))
+	if _, ok := e.dev.next(t, func(s segment) bool { return s.dst == to && s.flags == header.TCPFlagSyn }); !ok {
+		t.Error("control: client to server was not dialled")
+	}
+}
