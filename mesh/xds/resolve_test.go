@@ -261,3 +261,50 @@ func cpuTime() time.Duration {
 	}
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
+
+// TestRefusedWorkloadsOfThisNode: a workload istiod puts in the mesh on
+// this node with a feature meshtun refuses stays in the model, refused
+// (the node captures and denies it); one of another node is left out;
+// a plaintext one of this node is captured once the node enrolls it.
+func TestRefusedWorkloadsOfThisNode(t *testing.T) {
+	f := newFakeIstiod(t)
+	waypoint := &workloadapi.GatewayAddress{
+		Destination:   &workloadapi.GatewayAddress_Address{Address: &workloadapi.NetworkAddress{Address: netip.MustParseAddr("10.0.0.50").AsSlice()}},
+		HboneMtlsPort: 15008,
+	}
+	local := wl("default", "local", "10.0.0.1", "node1")
+	local.GetWorkload().Waypoint = waypoint
+	remote := wl("default", "remote", "10.0.0.2", "node2")
+	remote.GetWorkload().Waypoint = waypoint
+	legacy := wl("default", "legacy", "10.0.0.3", "node1")
+	legacy.GetWorkload().TunnelProtocol = workloadapi.TunnelProtocol_LEGACY_ISTIO_MTLS
+	plain := wl("default", "plain", "10.0.0.4", "node1")
+	plain.GetWorkload().TunnelProtocol = workloadapi.TunnelProtocol_NONE
+	plain.GetWorkload().Extensions = []*workloadapi.Extension{{Name: "future"}}
+	if err := f.addrs.UpdateResources(map[string]types.Resource{
+		"Kubernetes//Pod/default/local": local, "Kubernetes//Pod/default/remote": remote,
+		"Kubernetes//Pod/default/legacy": legacy, "Kubernetes//Pod/default/plain": plain,
+	}, nil); err != nil {
+		t.Fatal(err)
+	}
+	src, snap := newSource(t, f)
+	for ip, want := range map[string]string{"10.0.0.1": RefusedWaypoint, "10.0.0.3": RefusedTunnelProtocol} {
+		if w := snap.Workload(netip.MustParseAddr(ip)); w == nil || !w.InMesh || w.Refused != want {
+			t.Errorf("%s: %+v, want in the mesh, refused %q", ip, w, want)
+		}
+	}
+	if w := snap.Workload(netip.MustParseAddr("10.0.0.2")); w != nil {
+		t.Errorf("the refused workload of node2 is in node1's model: %+v", w)
+	}
+	if w := snap.Workload(netip.MustParseAddr("10.0.0.4")); w != nil {
+		t.Errorf("a refused plaintext workload that is not enrolled is in the model: %+v", w)
+	}
+	if st := src.Status(); st.Refused != 2 {
+		t.Errorf("status counts %d refused workloads, want 2", st.Refused)
+	}
+	src.Enroll(map[registry.WorkloadRef]bool{{Namespace: "default", Name: "plain"}: true})
+	snap = next(t, src, "plain enrolled", func(s *registry.Snapshot) bool { return s.Workload(netip.MustParseAddr("10.0.0.4")) != nil })
+	if w := snap.Workload(netip.MustParseAddr("10.0.0.4")); !w.InMesh || w.Refused != RefusedExtensions {
+		t.Errorf("the enrolled refused workload: %+v", w)
+	}
+}
