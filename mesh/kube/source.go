@@ -251,6 +251,15 @@ func (s *Source) Build() (*registry.Snapshot, error) {
 	m, local, err := s.model()
 	var snap *registry.Snapshot
 	if err == nil {
+		// model resolves pods' and services' address conflicts itself,
+		// to tell each local pod why it is out; the registry's resolver
+		// (the xDS source's) takes whatever else would keep the whole
+		// model from building, one object at a time.
+		var conflicts []registry.Conflict
+		m, conflicts = registry.Resolve(m)
+		for _, c := range conflicts {
+			s.log.Warn().Str("conflict", c.String()).Msg("left out of the mesh model: it conflicts with another object")
+		}
 		snap, err = registry.Build(m)
 	}
 	s.mu.Lock()

@@ -173,3 +173,23 @@ func TestAddressReuse(t *testing.T) {
 		}
 	}
 }
+
+// TestOneBadPodDoesNotBlockTheModel: a pod whose identity cannot be
+// written (a service account name the API server would refuse, here
+// through a fake one that does not) is left out by the registry's
+// resolver; the rest of the mesh is still modelled.
+func TestOneBadPodDoesNotBlockTheModel(t *testing.T) {
+	bad := pod("mesh", "bad", "n1", "198.18.1.12")
+	bad.Spec.ServiceAccountName = "no/slashes"
+	s, _ := start(t, ns("mesh", true), pod("mesh", "good", "n1", "198.18.1.11"), bad)
+	snap, err := s.Build()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if snap.Workload(netip.MustParseAddr("198.18.1.11")) == nil {
+		t.Error("the good pod is not in the model")
+	}
+	if snap.Workload(netip.MustParseAddr("198.18.1.12")) != nil {
+		t.Error("the pod without a valid identity is in the model")
+	}
+}
