@@ -17,6 +17,7 @@ import (
 	"github.com/rs/zerolog"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"google.golang.org/protobuf/encoding/protowire"
+	"google.golang.org/protobuf/types/known/anypb"
 	"istio.io/istio/pkg/workloadapi"
 	"istio.io/istio/pkg/workloadapi/security"
 
@@ -306,5 +307,46 @@ func TestRefusedWorkloadsOfThisNode(t *testing.T) {
 	snap = next(t, src, "plain enrolled", func(s *registry.Snapshot) bool { return s.Workload(netip.MustParseAddr("10.0.0.4")) != nil })
 	if w := snap.Workload(netip.MustParseAddr("10.0.0.4")); !w.InMesh || w.Refused != RefusedExtensions {
 		t.Errorf("the enrolled refused workload: %+v", w)
+	}
+}
+
+// TestNACKMessageBounded: a full state with thousands of rejected
+// resources gives a NACK of bounded size.
+func TestNACKMessageBounded(t *testing.T) {
+	errs := make([]string, 5000)
+	for i := range errs {
+		errs[i] = fmt.Sprintf("Kubernetes//Pod/ns/w%d: workload ns/w%d has extensions (x), which meshtun does not understand", i, i)
+	}
+	msg := nackMessage(errs)
+	if len(msg) > 16<<10 || !strings.HasSuffix(msg, "and 4900 more") || !strings.Contains(msg, "/w99:") || strings.Contains(msg, "/w100:") {
+		t.Errorf("NACK of %d bytes: ...%s", len(msg), msg[max(0, len(msg)-60):])
+	}
+}
+
+// TestUndecodablePolicyKeepsItsLastVersion: an Authorization that does
+// not decode keeps its previous version, also across a full state: its
+// scope is unknown, and dropping it would let in what it denies.
+func TestUndecodablePolicyKeepsItsLastVersion(t *testing.T) {
+	src := New(Config{TrustDomain: spiffeid.RequireTrustDomainFromString("cluster.local")})
+	w, _ := anypb.New(wl("ns", "w", "10.0.0.1", "n1"))
+	if nack := src.apply(response{typeURL: AddressType, full: true, resources: []*discoveryv3.Resource{{Name: "w", Resource: w}}}); nack != "" {
+		t.Fatal(nack)
+	}
+	p, _ := anypb.New(denyFrom("ns", "deny-x", security.Scope_NAMESPACE, "cluster.local/ns/default/sa/x"))
+	if nack := src.apply(response{typeURL: AuthorizationType, full: true, resources: []*discoveryv3.Resource{{Name: "ns/deny-x", Resource: p}}}); nack != "" {
+		t.Fatal(nack)
+	}
+	garbage := &anypb.Any{TypeUrl: AuthorizationType, Value: []byte{0xff, 0xff, 0xff}}
+	nack := src.apply(response{typeURL: AuthorizationType, full: true, resources: []*discoveryv3.Resource{{Name: "ns/deny-x", Resource: garbage}}})
+	if !strings.Contains(nack, "ns/deny-x") {
+		t.Errorf("NACK %q does not name the resource", nack)
+	}
+	snap, _, _, err := src.build(src.st)
+	if err != nil {
+		t.Fatal(err)
+	}
+	x := spiffeid.RequireFromString("spiffe://cluster.local/ns/default/sa/x")
+	if d := snap.Authorize(&policy.Request{Peer: x, Dest: netip.MustParseAddrPort("10.0.0.1:80")}); d.Allowed {
+		t.Errorf("x is allowed once the DENY policy's new version does not decode: %v", d)
 	}
 }

@@ -171,6 +171,7 @@ type Source struct {
 	started  bool            // the first snapshot went to Start
 	status   Status
 	enrolled map[registry.WorkloadRef]bool // see Enroll
+	lost     map[string]string             // resource → its conflict, as last built
 }
 
 // New returns a source; Start starts it.
@@ -368,6 +369,7 @@ func (s *Source) apply(r response) (nack string) {
 	ready := s.received()
 
 	snap, conflicts, o, err := s.build(next)
+	lost := make(map[string]string, len(conflicts))
 	for _, c := range conflicts {
 		var name string
 		switch c.Kind {
@@ -378,13 +380,22 @@ func (s *Source) apply(r response) (nack string) {
 		default:
 			name = "policy " + c.Name // the config file's or a converted one: cannot conflict
 		}
-		ev := s.log.Warn()
+		lost[name] = c.String()
 		if inResponse[name] {
 			errs = append(errs, fmt.Sprintf("%s: conflicts with another resource: %s", name, c))
-			ev = s.log.Error()
 		}
-		ev.Str("resource", name).Str("conflict", c.String()).Msg("istiod's resources conflict; resolved resource by resource")
+		// Logged when it starts (the loser or the winner is new); a
+		// conflict that persists is not repeated on every update.
+		if s.lost[name] != lost[name] {
+			s.log.Warn().Str("resource", name).Str("conflict", lost[name]).Msg("istiod's resources conflict; resolved resource by resource")
+		}
 	}
+	for name := range s.lost {
+		if _, still := lost[name]; !still {
+			s.log.Info().Str("resource", name).Msg("istiod's resource no longer conflicts")
+		}
+	}
+	s.lost = lost
 	s.status.Built = time.Now()
 	s.status.Builds++
 	s.status.Conflicts = len(conflicts)
@@ -393,7 +404,7 @@ func (s *Source) apply(r response) (nack string) {
 		// istiod's all the same, so the next response builds from it.
 		s.log.Error().Err(err).Str("type", r.typeURL).Msg("cannot build the mesh model from istiod's resources; keeping the last one")
 		errs = append(errs, fmt.Sprintf("the model does not build: %v", err))
-		return "meshtun cannot apply: " + strings.Join(errs, "; ")
+		return nackMessage(errs)
 	}
 	refused := 0
 	for _, w := range snap.Workloads {
@@ -409,12 +420,29 @@ func (s *Source) apply(r response) (nack string) {
 		Int("conflicts", len(conflicts)).Int("refused_local", refused).Msg("applied istiod's update")
 	s.publish(snap, ready)
 	if len(errs) > 0 {
-		for _, e := range errs {
+		for i, e := range errs {
+			if i == maxNACKed {
+				s.log.Error().Str("type", r.typeURL).Int("more", len(errs)-i).Msg("rejected: more resources")
+				break
+			}
 			s.log.Error().Str("type", r.typeURL).Msg("rejected: " + e)
 		}
-		return "meshtun cannot apply: " + strings.Join(errs, "; ")
+		return nackMessage(errs)
 	}
 	return ""
+}
+
+// maxNACKed bounds the rejected resources a NACK message (and the log)
+// names one by one: a full state can hold thousands.
+const maxNACKed = 100
+
+// nackMessage is a NACK's error_detail message for errs.
+func nackMessage(errs []string) string {
+	if len(errs) > maxNACKed {
+		return "meshtun cannot apply: " + strings.Join(errs[:maxNACKed], "; ") +
+			fmt.Sprintf("; and %d more", len(errs)-maxNACKed)
+	}
+	return "meshtun cannot apply: " + strings.Join(errs, "; ")
 }
 
 // build builds the snapshot of a state: its model, with conflicts
@@ -430,12 +458,23 @@ func (s *Source) build(st state) (*registry.Snapshot, []registry.Conflict, origi
 // convert converts one resource into next, or returns why it cannot.
 func (s *Source) convert(typeURL string, res *discoveryv3.Resource, next state) error {
 	if res.Resource == nil {
+		if e, ok := s.st.addrs[res.Name]; ok && typeURL == AddressType {
+			next.addrs[res.Name] = e
+		}
+		if e, ok := s.st.authz[res.Name]; ok && typeURL == AuthorizationType {
+			next.authz[res.Name] = e
+		}
 		return errors.New("resource without a body")
 	}
 	switch typeURL {
 	case AddressType:
 		var a workloadapi.Address
 		if err := anypb.UnmarshalTo(res.Resource, &a, proto.UnmarshalOptions{}); err != nil {
+			// Nothing of it is known: its previous version, if any,
+			// stays (also across a full state).
+			if e, ok := s.st.addrs[res.Name]; ok {
+				next.addrs[res.Name] = e
+			}
 			return fmt.Errorf("not an istio.workload.Address: %w", err)
 		}
 		e := addrEntry{version: res.Version}
@@ -459,9 +498,10 @@ func (s *Source) convert(typeURL string, res *discoveryv3.Resource, next state) 
 		var a security.Authorization
 		if err := anypb.UnmarshalTo(res.Resource, &a, proto.UnmarshalOptions{}); err != nil {
 			// Not even its scope is known: the previous version, if
-			// any, stays (a deny-all could only guess where to apply).
+			// any, stays, also across a full state (a deny-all could
+			// only guess where to apply).
 			err = fmt.Errorf("not an istio.security.Authorization: %w", err)
-			if e, ok := next.authz[res.Name]; ok {
+			if e, ok := s.st.authz[res.Name]; ok {
 				e.err = err
 				next.authz[res.Name] = e
 			}
