@@ -62,10 +62,17 @@ type tracker struct {
 type tracked struct {
 	az    *authorized // nil: not subject to authorization (passthrough, outbound)
 	abort func()
+	// from is the local workload that opened the connection (outbound),
+	// if any: closed if it becomes refused.
+	from netip.Addr
 }
 
 func (t *tracker) add(az *authorized, abort func()) *tracked {
-	c := &tracked{az: az, abort: abort}
+	return t.addFrom(az, netip.Addr{}, abort)
+}
+
+func (t *tracker) addFrom(az *authorized, from netip.Addr, abort func()) *tracked {
+	c := &tracked{az: az, abort: abort, from: from}
 	t.mu.Lock()
 	if t.conns == nil {
 		t.conns = make(map[*tracked]struct{})
@@ -111,13 +118,21 @@ func (t *tracker) abortAll() int {
 }
 
 // Reauthorize evaluates every open connection this node authorized
-// against the current policies and resets those no longer allowed. It
+// against the current policies and resets those no longer allowed, and
+// those a local workload opened that meshtun now refuses. It
 // returns how many it closed.
 func (p *Proxy) Reauthorize() int {
 	snap := p.cfg.Registry.Load()
 	var denied []*tracked
 	p.open.mu.Lock()
 	for c := range p.open.conns {
+		if w := snap.Workload(c.from); w != nil && w.Refused != "" {
+			// What a workload opened before meshtun refused it.
+			denied = append(denied, c)
+			p.log.Info().Str("src.addr", c.from.String()).Str("error", (&refusedWorkloadError{w}).Error()).
+				Msg("open connection no longer allowed; closing it")
+			continue
+		}
 		if c.az == nil {
 			continue
 		}

@@ -230,7 +230,11 @@ func (p *Proxy) relayAccepted(rec *record, req *stack.TCPRequest, up net.Conn, a
 	// that starts the moment the client sees its connection open waits
 	// for it. Resetting up is enough to abort: the relay then resets the
 	// client's side too.
-	t := p.open.add(authz, func() { reset(up) })
+	var from netip.Addr
+	if rec.direction == "outbound" && p.local(rec.srcW) {
+		from = rec.src.Addr()
+	}
+	t := p.open.addFrom(authz, from, func() { reset(up) })
 	down, err := req.Accept()
 	if err != nil {
 		reset(up)

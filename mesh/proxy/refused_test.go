@@ -1,10 +1,13 @@
 package proxy
 
 import (
+	"context"
 	"net/netip"
 	"strings"
+	"sync/atomic"
 	"testing"
 
+	"github.com/rs/zerolog"
 	"gvisor.dev/gvisor/pkg/tcpip/header"
 
 	"github.com/meshtun/meshtun/mesh/registry"
@@ -59,3 +62,41 @@ func TestRefusedWorkloadDenied(t *testing.T) {
 		t.Error("control: client to server was not dialled")
 	}
 }
+
+// TestReauthorizeClosesRefusedWorkloadsConnections: what a local
+// workload opened before meshtun refused it is closed when the refusal
+// arrives; another workload's connection stays.
+func TestReauthorizeClosesRefusedWorkloadsConnections(t *testing.T) {
+	ws := func(refused string) []*registry.Workload {
+		return []*registry.Workload{
+			{Name: "client", Namespace: "default", Node: "n1", InMesh: true, Addresses: []netip.Addr{client11}, Refused: refused},
+			{Name: "server", Namespace: "default", Node: "n1", InMesh: true, Addresses: []netip.Addr{server12}},
+		}
+	}
+	snap, err := registry.NewSnapshot(testTD, ws(""))
+	if err != nil {
+		t.Fatal(err)
+	}
+	reg := registry.New(snap)
+	p, err := New(context.Background(), Config{Node: "n1", Registry: reg, Logger: zerolog.New(zerolog.NewTestWriter(t))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var fromClient, fromServer atomic.Int32
+	p.open.addFrom(nil, client11, func() { fromClient.Add(1) })
+	p.open.addFrom(nil, server12, func() { fromServer.Add(1) })
+	if got := p.Reauthorize(); got != 0 {
+		t.Fatalf("Reauthorize with nothing refused closed %d", got)
+	}
+	snap, err = registry.NewSnapshot(testTD, ws(refusedTestReason))
+	if err != nil {
+		t.Fatal(err)
+	}
+	reg.Store(snap)
+	if got := p.Reauthorize(); got != 1 || fromClient.Load() != 1 || fromServer.Load() != 0 {
+		t.Errorf("after client is refused: closed %d (client's %d, server's %d), want client's only", got, fromClient.Load(), fromServer.Load())
+	}
+}
+
+// refusedTestReason is a registry.Workload.Refused of the tests.
+const refusedTestReason = "waypoint"
