@@ -45,7 +45,7 @@ func (p *Proxy) serveKernelConn(c net.Conn) {
 		return
 	}
 	p.hboneKernel.Add(1)
-	go srv.ServeConn(p.ctx, c)
+	srv.Go(p.ctx, c)
 }
 
 // HBONEAccepted returns how many inbound HBONE connections were accepted

@@ -333,7 +333,7 @@ func (s *Server) PeerLoad(peer spiffeid.ID) (streams, connecting int) {
 // ctx ends, which closes ln and every connection. It returns nil after ctx
 // ended, or the error that stopped accepting.
 func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
-	return AcceptLoop(ctx, ln, s.log, func(c net.Conn) { go s.ServeConn(ctx, c) })
+	return AcceptLoop(ctx, ln, s.log, func(c net.Conn) { s.Go(ctx, c) })
 }
 
 // AcceptLoop accepts connections from ln and hands each to serve, on the
@@ -376,15 +376,35 @@ func AcceptLoop(ctx context.Context, ln net.Listener, log zerolog.Logger, serve 
 // handshakes in all and from its source, connections of its peer
 // identity) is reset (see ServerConfig).
 func (s *Server) ServeConn(ctx context.Context, c net.Conn) {
-	s.conns.Add(1)
-	defer s.conns.Add(-1)
+	if hs := s.admit(c); hs != nil {
+		s.serve(ctx, c, hs)
+	}
+}
+
+// Go is ServeConn on a goroutine of its own, started only if c is within
+// the bounds: a connection beyond is reset before Go returns, so that an
+// accept loop that calls it holds no descriptor or goroutine for it.
+func (s *Server) Go(ctx context.Context, c net.Conn) {
+	if hs := s.admit(c); hs != nil {
+		go s.serve(ctx, c, hs)
+	}
+}
+
+// admit takes a handshake slot for c, or resets c and returns nil.
+func (s *Server) admit(c net.Conn) *pending {
 	remote, _ := addrPort(c.RemoteAddr())
 	hs, reason := s.gate.admit(remote.Addr(), func() { abort(c) })
 	if hs == nil {
 		abort(c)
 		s.refuseConn(c, reason, nil, nil)
-		return
 	}
+	return hs
+}
+
+// serve is ServeConn once c holds the handshake slot hs.
+func (s *Server) serve(ctx context.Context, c net.Conn, hs *pending) {
+	s.conns.Add(1)
+	defer s.conns.Add(-1)
 	defer s.gate.release(hs)
 	stop := context.AfterFunc(ctx, func() { c.Close() })
 	defer stop()

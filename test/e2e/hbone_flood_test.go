@@ -1,0 +1,295 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/meshtun/meshtun/test/cluster"
+)
+
+// recordHeader16K is a TLS record header announcing a 16 KiB handshake
+// record whose body never comes.
+var recordHeader16K = []byte{0x16, 0x03, 0x01, 0x40, 0x00}
+
+// handshakeFlood holds up to max connections from a namespace to an HBONE
+// port without ever completing a handshake: every other one idle, the
+// others sending a record header that announces 16 KiB. Each connection
+// the node resets (or closes) is replaced by a new one, until stop.
+type handshakeFlood struct {
+	attempts, refused atomic.Int64
+	open              atomic.Int64
+	stopped           atomic.Bool
+	done              chan struct{}
+	slots             chan struct{}
+	wg                sync.WaitGroup
+	mu                sync.Mutex
+	conns             map[net.Conn]struct{}
+}
+
+func startHandshakeFlood(t testing.TB, ns *cluster.NS, dst netip.AddrPort, max int) *handshakeFlood {
+	t.Helper()
+	raiseFileLimit(t, uint64(max)+4096)
+	f := &handshakeFlood{slots: make(chan struct{}, max), done: make(chan struct{}), conns: map[net.Conn]struct{}{}}
+	// Two dialers: the flood is as fast as the test can make it.
+	for w := range 2 {
+		f.wg.Add(1)
+		go func() {
+			defer f.wg.Done()
+			for i := w; !f.stopped.Load(); i += 2 {
+				select {
+				case f.slots <- struct{}{}:
+				case <-f.done:
+					return
+				}
+				f.attempts.Add(1)
+				var c net.Conn
+				err := ns.Do(func() error {
+					var err error
+					c, err = net.DialTimeout("tcp", dst.String(), 5*time.Second)
+					return err
+				})
+				if err == nil && i%2 == 1 {
+					_, err = c.Write(recordHeader16K)
+				}
+				if err != nil {
+					if c != nil {
+						c.Close()
+					}
+					f.refused.Add(1)
+					<-f.slots
+					continue
+				}
+				f.open.Add(1)
+				f.mu.Lock()
+				f.conns[c] = struct{}{}
+				f.mu.Unlock()
+				f.wg.Add(1)
+				go func() {
+					defer f.wg.Done()
+					io.Copy(io.Discard, c) // until the node resets or closes it, or stop
+					c.Close()
+					f.mu.Lock()
+					delete(f.conns, c)
+					f.mu.Unlock()
+					f.open.Add(-1)
+					f.refused.Add(1)
+					<-f.slots
+				}()
+			}
+		}()
+	}
+	t.Cleanup(f.stop)
+	return f
+}
+
+// stop closes every connection of the flood and waits for its goroutines.
+func (f *handshakeFlood) stop() {
+	if f.stopped.Swap(true) {
+		return
+	}
+	close(f.done)
+	f.mu.Lock()
+	for c := range f.conns {
+		c.Close()
+	}
+	f.mu.Unlock()
+	f.wg.Wait()
+}
+
+// raiseFileLimit raises the test process's descriptor limit to at least n
+// (root may raise the hard limit), restored when the test ends.
+func raiseFileLimit(t testing.TB, n uint64) {
+	t.Helper()
+	var lim syscall.Rlimit
+	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &lim); err != nil {
+		t.Fatal(err)
+	}
+	if lim.Cur >= n {
+		return
+	}
+	old := lim
+	lim.Cur, lim.Max = n, max(lim.Max, n)
+	if err := syscall.Setrlimit(syscall.RLIMIT_NOFILE, &lim); err != nil {
+		t.Fatalf("raise RLIMIT_NOFILE to %d: %v", n, err)
+	}
+	t.Cleanup(func() { syscall.Setrlimit(syscall.RLIMIT_NOFILE, &old) })
+}
+
+// procUsage returns the resident memory and open descriptors of process
+// pid.
+func procUsage(t testing.TB, pid int) (rss int64, fds int) {
+	t.Helper()
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "VmRSS:"); ok {
+			kb, err := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
+			if err != nil {
+				t.Fatalf("VmRSS of %d: %q: %v", pid, v, err)
+			}
+			rss = kb << 10
+		}
+	}
+	des, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return rss, len(des)
+}
+
+// meshRound opens a connection through the mesh from client to dst's
+// echo server, sends a request, reads the answer and closes.
+func meshRound(ctx context.Context, client *cluster.NS, dst netip.AddrPort) error {
+	c, err := client.Dial(ctx, "tcp", dst.String())
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	msg := []byte("GET / through the mesh\n")
+	if _, err := c.Write(msg); err != nil {
+		return err
+	}
+	got := make([]byte, len(msg))
+	if _, err := io.ReadFull(c, got); err != nil {
+		return fmt.Errorf("echo from %s: %w", dst, err)
+	}
+	return nil
+}
+
+// meshRate runs meshRound from workers goroutines for d and returns the
+// rounds per second and the failures.
+func meshRate(client *cluster.NS, dst netip.AddrPort, workers int, d time.Duration) (rate float64, failed int64, lastErr error) {
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	defer cancel()
+	var ok, bad atomic.Int64
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	start := time.Now()
+	for range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for ctx.Err() == nil {
+				if err := meshRound(context.Background(), client, dst); err != nil {
+					if ctx.Err() == nil {
+						bad.Add(1)
+						mu.Lock()
+						lastErr = err
+						mu.Unlock()
+					}
+					continue
+				}
+				ok.Add(1)
+			}
+		}()
+	}
+	wg.Wait()
+	return float64(ok.Load()) / time.Since(start).Seconds(), bad.Load(), lastErr
+}
+
+// refusalLines counts m's log lines about connections refused before any
+// request: the HBONE server's and the access log's.
+func refusalLines(m nodeProc) int {
+	n := 0
+	for _, l := range m.Lines() {
+		switch l.Str("message") {
+		case "hbone: connection refused before any request", "hbone: no HTTP/2 client preface":
+			n++
+		case "connection refused":
+			if l.Str("response_flags") == "TLS_FAILURE" {
+				n++
+			}
+		}
+	}
+	return n
+}
+
+// TestHBONEHandshakeFlood: a pod outside the mesh floods a mesh pod's
+// port 15008 (the node's kernel HBONE listener) with 9,000 connections
+// that never complete a handshake, a third of them announcing a 16 KiB
+// record, re-opening each one the node resets. The node holds no more than
+// its bound of pending handshakes from that source (descriptors and
+// memory stay flat), counts the refusals by reason, logs them within its
+// rate, and mesh traffic to the pod still flows during the flood.
+func TestHBONEHandshakeFlood(t *testing.T) {
+	mc := newMeshCluster(t, "hf")
+	mc.m1 = mc.start(t, mc.n1)
+	mc.m2 = mc.start(t, mc.n2)
+	outsider, client, server := mc.p13, mc.p11, mc.p21
+	serve(t, server, 7300, func(c net.Conn) { io.Copy(c, c) })
+	dst := netip.AddrPortFrom(server.IPv4, 7300)
+	if err := meshRound(context.Background(), client.NS, dst); err != nil {
+		t.Fatalf("mesh traffic before the flood: %v", err)
+	}
+	pid := mc.m2.Pid()
+	rss0, fds0 := procUsage(t, pid)
+	lines0 := refusalLines(mc.m2)
+	start := time.Now()
+
+	const conns = 9000
+	f := startHandshakeFlood(t, outsider.NS, netip.AddrPortFrom(server.IPv4, 15008), conns)
+	deadline := time.Now().Add(60 * time.Second)
+	var peakFDs int
+	var peakRSS int64
+	for f.attempts.Load() < 3*conns {
+		if time.Now().After(deadline) {
+			t.Fatalf("flood made only %d attempts in 60 s", f.attempts.Load())
+		}
+		rss, fds := procUsage(t, pid)
+		peakRSS, peakFDs = max(peakRSS, rss), max(peakFDs, fds)
+		if err := meshRound(context.Background(), client.NS, dst); err != nil {
+			t.Errorf("mesh traffic during the flood (%d attempts): %v", f.attempts.Load(), err)
+		}
+	}
+	rss, fds := procUsage(t, pid)
+	peakRSS, peakFDs = max(peakRSS, rss), max(peakFDs, fds)
+	elapsed := time.Since(start)
+	fams := scrape(t, mc.n2)
+	refused := map[string]float64{}
+	for _, r := range []string{"source_limit", "handshake_limit", "evicted", "handshake_timeout", "handshake_failed"} {
+		refused[r] = value(fams, "meshtun_hbone_connections_refused_total", map[string]string{"reason": r})
+	}
+	pending := value(fams, "meshtun_hbone_handshakes_pending", nil)
+	lines := refusalLines(mc.m2) - lines0
+	t.Logf("flood: %d attempts in %s, %d held open by the flooder; node 2: RSS %d → peak %d MiB, descriptors %d → peak %d; pending %v; refused %v; %d refusal log lines",
+		f.attempts.Load(), elapsed.Round(time.Millisecond), f.open.Load(), rss0>>20, peakRSS>>20, fds0, peakFDs, pending, refused, lines)
+
+	// The source's bound is 64 pending handshakes (the default).
+	if grown := peakFDs - fds0; grown > 64+64 {
+		t.Errorf("node 2 opened %d descriptors more during the flood, want at most the source's bound 64 and some slack", grown)
+	}
+	if grown := peakRSS - rss0; grown > 64<<20 {
+		t.Errorf("node 2's RSS grew by %d MiB during the flood, want under 64 MiB", grown>>20)
+	}
+	if pending > 64 {
+		t.Errorf("%v handshakes pending, want at most 64", pending)
+	}
+	if refused["source_limit"] == 0 {
+		t.Errorf("no refusal counted for the source bound: %v", refused)
+	}
+	if allowed := 2*10 + int(elapsed.Seconds()*2*10) + 2; lines > allowed {
+		t.Errorf("%d refusal log lines in %s, want at most %d (10/s from the server, 10/s in the access log)", lines, elapsed, allowed)
+	}
+	f.stop()
+	// The listener is still the kernel's, and serves.
+	if err := meshRound(context.Background(), client.NS, dst); err != nil {
+		t.Fatalf("mesh traffic after the flood: %v", err)
+	}
+	if n := value(scrape(t, mc.n2), "meshtun_hbone_inbound_connections_total", map[string]string{"socket": "kernel"}); n == 0 {
+		t.Errorf("no inbound HBONE on the kernel socket")
+	}
+}
