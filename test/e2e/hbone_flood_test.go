@@ -245,16 +245,27 @@ func refusalLines(m nodeProc) int {
 }
 
 // TestHBONEHandshakeFlood: a pod outside the mesh floods a mesh pod's
-// port 15008 (the node's kernel HBONE listener) with 9,000 connections
-// that never complete a handshake, a third of them announcing a 16 KiB
-// record, re-opening each one the node resets. The node holds no more than
-// its bound of pending handshakes from that source (descriptors and
-// memory stay flat), counts the refusals by reason, logs them within its
-// rate, and mesh traffic to the pod still flows during the flood.
+// port 15008 (the node's kernel HBONE listener; then, with
+// --hbone-netstack, the netstack's) with 9,000 connections that never
+// complete a handshake, half of them announcing a 16 KiB record,
+// re-opening each one the node resets. The node holds no more than its
+// bound of pending handshakes from that source (descriptors and memory
+// stay flat), counts the refusals by reason, logs them within its rate,
+// and mesh traffic to the pod still flows during the flood.
 func TestHBONEHandshakeFlood(t *testing.T) {
-	mc := newMeshCluster(t, "hf")
+	for _, socket := range []string{"kernel", "netstack"} {
+		t.Run(socket, func(t *testing.T) { testHBONEHandshakeFlood(t, socket) })
+	}
+}
+
+func testHBONEHandshakeFlood(t *testing.T, socket string) {
+	mc := newMeshCluster(t, "hf"+socket[:1])
 	mc.m1 = mc.start(t, mc.n1)
-	mc.m2 = mc.start(t, mc.n2)
+	if socket == "netstack" {
+		mc.m2 = mc.start(t, mc.n2, "--hbone-netstack")
+	} else {
+		mc.m2 = mc.start(t, mc.n2)
+	}
 	outsider, client, server := mc.p13, mc.p11, mc.p21
 	serve(t, server, 7300, func(c net.Conn) { io.Copy(c, c) })
 	dst := netip.AddrPortFrom(server.IPv4, 7300)
@@ -315,8 +326,8 @@ func TestHBONEHandshakeFlood(t *testing.T) {
 	if err := meshRound(context.Background(), client.NS, dst); err != nil {
 		t.Fatalf("mesh traffic after the flood: %v", err)
 	}
-	if n := value(scrape(t, mc.n2), "meshtun_hbone_inbound_connections_total", map[string]string{"socket": "kernel"}); n == 0 {
-		t.Errorf("no inbound HBONE on the kernel socket")
+	if n := value(scrape(t, mc.n2), "meshtun_hbone_inbound_connections_total", map[string]string{"socket": socket}); n == 0 {
+		t.Errorf("no inbound HBONE on the %s socket", socket)
 	}
 }
 
