@@ -9,17 +9,22 @@ import (
 
 // Defaults of ServerConfig's connection bounds. A pending handshake holds
 // a goroutine, the TLS state and, once a client announces a record, up to
-// one 16 KiB record buffer: about 40 KiB, so DefaultMaxHandshakes holds
-// the handshakes of all sources together to about 40 MiB. A mesh client
+// one 16 KiB record buffer: 36 KiB of RSS on a kernel socket, 56 KiB on
+// the netstack (test/e2e TestHBONEHandshakeFlood with the bounds
+// removed), so DefaultMaxHandshakes holds the handshakes of all sources
+// together to 36-56 MiB. A mesh client
 // completes its handshake in milliseconds; only a flood keeps many
-// pending. An identity's authenticated connections are few (clients pool
-// them per destination); DefaultMaxConnsPerPeer leaves room for every
-// pod of a large service account on many nodes.
+// pending. A client node pools one connection per source identity,
+// destination identity and destination pod (more past 100 streams), so an
+// identity's connections to a node number about its client nodes times
+// the destination pods here: DefaultMaxConnsPerPeer leaves room for 400
+// client nodes each reaching 10 pods of this node, and holds one identity
+// to the order of memory its stream bound allows (DefaultMaxStreamsPerPeer).
 const (
 	DefaultHandshakeTimeout       = 5 * time.Second
 	DefaultMaxHandshakes          = 1024
 	DefaultMaxHandshakesPerSource = 64
-	DefaultMaxConnsPerPeer        = 1024
+	DefaultMaxConnsPerPeer        = 4096
 )
 
 // Reasons an inbound HBONE connection is refused before any request, the
