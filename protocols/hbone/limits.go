@@ -32,7 +32,8 @@ const (
 const (
 	// RefusedHandshakeLimit: every handshake slot taken, none to take
 	// back (the new source would hold as many as the one holding the
-	// most, and none is older than handshakeMinAge).
+	// most and, for a source holding none, none is older than
+	// handshakeMinAge).
 	RefusedHandshakeLimit = "handshake_limit"
 	// RefusedSourceLimit: the source address has its bound of pending
 	// handshakes.
@@ -111,8 +112,8 @@ type hsSource struct {
 // source that holds fewer than the source holding the most takes the slot
 // of that source's oldest pending handshake (which is reset), so a flood
 // from some sources cannot lock others out; if the sources hold them
-// evenly, it takes the slot of the oldest one if that has waited over
-// handshakeMinAge, and is refused otherwise.
+// evenly, a source holding none takes the slot of the oldest one if that
+// has waited over handshakeMinAge; the connection is refused otherwise.
 type handshakeGate struct {
 	max, perSource int // 0 or less: no bound
 	now            func() time.Time
@@ -153,7 +154,12 @@ func (g *handshakeGate) admit(addr netip.Addr, abort func()) (*pending, string) 
 				victim = top.head
 				break
 			}
-		case g.head != nil && g.now().Sub(g.head.start) >= handshakeMinAge:
+		case n == 0 && g.head != nil && g.now().Sub(g.head.start) >= handshakeMinAge:
+			// A source holding none, with the slots spread evenly
+			// (many sources of one each): the oldest makes room
+			// once it is stale. Only a new source: sources that hold
+			// some would churn every slot, each new connection
+			// starting a handshake to evict another.
 			victim = g.head
 		default:
 			g.mu.Unlock()

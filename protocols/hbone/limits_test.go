@@ -10,8 +10,11 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"os/exec"
 	"runtime"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -433,5 +436,218 @@ func TestAcceptSurvivesEMFILE(t *testing.T) {
 	buf := make([]byte, 4)
 	if _, err := io.ReadFull(c, buf); err != nil || string(buf) != "ping" {
 		t.Fatalf("echo after recovery: %q, %v", buf, err)
+	}
+}
+
+// freshRounds makes new HBONE connections (a TLS handshake each: a new
+// Client every round) to f's server from 127.0.0.1 for d, each carrying
+// one echo stream, and returns the rounds per second and the failures.
+func freshRounds(b *testing.B, f *fixture, d time.Duration) (rate float64, failed int) {
+	var ok int
+	start := time.Now()
+	for time.Since(start) < d {
+		cl, err := NewClient(ClientConfig{TLS: f.identities.clientTLS, Logger: zerolog.Nop()})
+		if err != nil {
+			b.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		c, err := cl.Dial(ctx, DialRequest{Source: f.client, Destination: f.server, Endpoint: f.endpoint, Target: echoTarget})
+		if err == nil {
+			c.Write([]byte("ping"))
+			buf := make([]byte, 4)
+			_, err = io.ReadFull(c, buf)
+			c.Close()
+		}
+		cancel()
+		cl.Close()
+		if err != nil {
+			failed++
+			continue
+		}
+		ok++
+	}
+	return float64(ok) / time.Since(start).Seconds(), failed
+}
+
+// flood holds up to slots connections to ep from 32 loopback addresses
+// (127.0.0.2-33) that never handshake, half announcing a 16 KiB record,
+// opening a new one for each the server resets, until stop; it returns
+// the connections it opened.
+func flood(ep netip.AddrPort, slots int, stop <-chan struct{}) int64 {
+	var wg sync.WaitGroup
+	var n atomic.Int64
+	sem := make(chan struct{}, slots)
+	for w := range 32 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			src := &net.TCPAddr{IP: net.IPv4(127, 0, 0, byte(2+w))}
+			for i := 0; ; i++ {
+				select {
+				case sem <- struct{}{}:
+				case <-stop:
+					return
+				}
+				n.Add(1)
+				dl := net.Dialer{LocalAddr: src, Timeout: time.Second}
+				c, err := dl.Dial("tcp", ep.String())
+				if err == nil && i%2 == 1 {
+					_, err = c.Write(recordHeader16K)
+				}
+				if err != nil {
+					if c != nil {
+						c.Close()
+					}
+					<-sem
+					continue
+				}
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					go func() { <-stop; c.Close() }()
+					io.Copy(io.Discard, c)
+					c.Close()
+					<-sem
+				}()
+			}
+		}()
+	}
+	<-stop
+	wg.Wait()
+	return n.Load()
+}
+
+// TestFloodHelper is the flooding process of
+// BenchmarkFreshHandshakeDuringFlood, started by it with
+// HBONE_TEST_FLOOD=<ip:port>: it floods until its standard input closes
+// and prints how many connections it opened. Otherwise it does nothing.
+func TestFloodHelper(t *testing.T) {
+	target := os.Getenv("HBONE_TEST_FLOOD")
+	if target == "" {
+		return
+	}
+	ep := netip.MustParseAddrPort(target)
+	var lim syscall.Rlimit
+	syscall.Getrlimit(syscall.RLIMIT_NOFILE, &lim)
+	stop := make(chan struct{})
+	go func() { io.Copy(io.Discard, os.Stdin); close(stop) }()
+	fmt.Printf("flood-opened %d\n", flood(ep, min(20000, int(lim.Cur)-1024), stop))
+}
+
+// floodProcess starts TestFloodHelper against ep in a process of its own;
+// stop ends it and returns the connections it opened.
+func floodProcess(b *testing.B, ep string) (stop func() int64) {
+	cmd := exec.Command(os.Args[0], "-test.run=^TestFloodHelper$")
+	cmd.Env = append(os.Environ(), "HBONE_TEST_FLOOD="+ep)
+	in, err := cmd.StdinPipe()
+	if err != nil {
+		b.Fatal(err)
+	}
+	var out bytes.Buffer
+	cmd.Stdout = &out
+	if err := cmd.Start(); err != nil {
+		b.Fatal(err)
+	}
+	return func() int64 {
+		in.Close()
+		if err := cmd.Wait(); err != nil {
+			b.Fatalf("flood process: %v: %s", err, out.String())
+		}
+		var opened int64
+		if i := strings.Index(out.String(), "flood-opened "); i >= 0 {
+			fmt.Sscanf(out.String()[i:], "flood-opened %d", &opened)
+		}
+		return opened
+	}
+}
+
+// BenchmarkFreshHandshakeDuringFlood: the rate of new mesh connections
+// (handshake, one echo stream, close) from 127.0.0.1 to a server with the
+// default bounds, in the same run: alone; while another process (this
+// test binary, TestFloodHelper) holds up to 20,000 connections to the
+// server from 32 other loopback addresses that never handshake (half
+// announcing 16 KiB), re-opening each one reset; and while the same flood
+// hits a bare listener of this process that resets every connection it
+// accepts (the floor: what the flood costs the machine whatever the
+// server does). The new connections' source holds nothing pending, so
+// each takes the slot of a flooding source's oldest.
+//
+//	go test -run '^$' -bench FreshHandshakeDuringFlood -benchtime 1x ./protocols/hbone
+func BenchmarkFreshHandshakeDuringFlood(b *testing.B) {
+	f := newFixture(b, &attackHandler{}, func(s *ServerConfig, _ *ClientConfig) { s.Logger = zerolog.Nop() })
+	bare, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer bare.Close()
+	go func() {
+		for {
+			c, err := bare.Accept()
+			if err != nil {
+				return
+			}
+			c.(*net.TCPConn).SetLinger(0)
+			c.Close()
+		}
+	}()
+	const d = 5 * time.Second
+	var rateU, rateF, rateB, attempts float64
+	var failed int
+	for range b.N {
+		u, fu := freshRounds(b, f, d)
+		stop := floodProcess(b, f.endpoint.String())
+		time.Sleep(time.Second) // the flood builds up
+		l, fl := freshRounds(b, f, d)
+		attempts += float64(stop()) / (d + time.Second).Seconds()
+		stop = floodProcess(b, bare.Addr().String())
+		time.Sleep(time.Second)
+		r, fr := freshRounds(b, f, d)
+		stop()
+		rateU += u
+		rateF += l
+		rateB += r
+		failed += fu + fl + fr
+	}
+	k := float64(b.N)
+	b.ReportMetric(rateU/k, "conn/s-unloaded")
+	b.ReportMetric(rateF/k, "conn/s-flood")
+	b.ReportMetric(rateB/k, "conn/s-flood-elsewhere")
+	if rateU > 0 && rateB > 0 {
+		b.ReportMetric(rateF/rateU, "ratio")
+		b.ReportMetric(rateF/rateB, "ratio-to-elsewhere")
+	}
+	b.ReportMetric(attempts/k, "flood-conn/s")
+	b.ReportMetric(float64(failed), "failed")
+	b.ReportMetric(float64(f.srv.Refused()[RefusedEvicted]), "evicted")
+}
+
+// TestHandshakeGateStaleSlot: with every slot taken by sources holding
+// one each, a new source is refused until the oldest handshake has waited
+// handshakeMinAge, then takes its slot; a source that already holds one
+// never evicts that way (no churn).
+func TestHandshakeGateStaleSlot(t *testing.T) {
+	now := time.Unix(0, 0)
+	g := newHandshakeGate(4, 4)
+	g.now = func() time.Time { return now }
+	aborted := map[int]bool{}
+	for i := range 4 {
+		if _, r := g.admit(netip.AddrFrom4([4]byte{10, 0, 0, byte(i)}), func() { aborted[i] = true }); r != "" {
+			t.Fatalf("source %d refused: %s", i, r)
+		}
+		now = now.Add(100 * time.Millisecond)
+	}
+	newSrc := netip.MustParseAddr("10.0.0.9")
+	if _, r := g.admit(newSrc, func() {}); r != RefusedHandshakeLimit {
+		t.Errorf("new source with no handshake stale: %q, want %s", r, RefusedHandshakeLimit)
+	}
+	now = now.Add(time.Second)
+	if _, r := g.admit(netip.MustParseAddr("10.0.0.1"), func() {}); r != RefusedHandshakeLimit {
+		t.Errorf("a source holding one, the oldest stale: %q, want %s (no churn)", r, RefusedHandshakeLimit)
+	}
+	if _, r := g.admit(newSrc, func() {}); r != "" || !aborted[0] || len(aborted) != 1 {
+		t.Errorf("new source with the oldest stale: %q, aborted %v; want admitted, the oldest (0) aborted", r, aborted)
+	}
+	if total, per := g.load(); total != 4 || per[newSrc] != 1 {
+		t.Errorf("load %d %v, want 4 with the new source holding 1", total, per)
 	}
 }
