@@ -17,6 +17,7 @@ import (
 	"github.com/meshtun/meshtun/mesh/identity"
 	"github.com/meshtun/meshtun/mesh/node"
 	"github.com/meshtun/meshtun/mesh/registry"
+	"github.com/meshtun/meshtun/protocols/hbone"
 	"github.com/meshtun/meshtun/tun"
 )
 
@@ -31,6 +32,9 @@ func runNode(ctx context.Context, args []string) error {
 		hboneNetstack        bool
 		drain                time.Duration
 		ackDelay             time.Duration
+		hsTimeout            time.Duration
+		maxHS, maxHSSource   int
+		maxPeerConns         int
 		procs                int
 		useKube              bool
 		kubeconfig           string
@@ -48,12 +52,19 @@ func runNode(ctx context.Context, args []string) error {
 	fs.BoolVar(&noIntercept, "no-intercept", false, "intercept nothing: every packet goes through the TUN verbatim (for measuring the TUN path alone)")
 	fs.BoolVar(&uninstall, "uninstall", false, "remove meshtun from this network namespace (its rules and blocking routes, which a stopped proxy leaves so that captured traffic stays blocked) and exit; refused while a proxy runs")
 	fs.BoolVar(&hboneNetstack, "hbone-netstack", false, "terminate inbound HBONE on the netstack through the TUN, not on a kernel socket (the fallback when the kernel cannot; for comparisons)")
+	fs.DurationVar(&hsTimeout, "hbone-handshake-timeout", hbone.DefaultHandshakeTimeout, "inbound HBONE: the `duration` a client has for its TLS handshake and HTTP/2 preface")
+	fs.IntVar(&maxHS, "hbone-max-handshakes", hbone.DefaultMaxHandshakes, "inbound HBONE: the `number` of TLS handshakes pending at once, from all sources (beyond: reset; a source holding fewer takes the slot of one holding the most)")
+	fs.IntVar(&maxHSSource, "hbone-max-handshakes-per-source", hbone.DefaultMaxHandshakesPerSource, "inbound HBONE: the `number` of TLS handshakes pending at once from one source address")
+	fs.IntVar(&maxPeerConns, "hbone-max-conns-per-peer", hbone.DefaultMaxConnsPerPeer, "inbound HBONE: the `number` of connections one peer identity (SPIFFE ID) may hold")
 	fs.DurationVar(&ackDelay, "ack-delay", node.DefaultAckDelay, "on connections whose both ends are in the netstack (passthrough, same-node), hold the netstack's pure ACKs back for up to this `duration`, so that a reply sent within it carries the acknowledgment (0: every ACK at once)")
 	fs.DurationVar(&drain, "drain-period", node.DefaultDrainPeriod, "on SIGTERM, how long open connections may take to finish")
 	fs.StringVar(&logLevel, "log-level", "info", "log `level`: trace, debug, info, warn, error")
 	fs.IntVar(&procs, "procs", 0, "`threads` running Go code at once (GOMAXPROCS); 0: half the CPUs the process may use, at least 1 (the GOMAXPROCS environment variable, if set, wins)")
 	if err := fs.Parse(args); err != nil {
 		return err
+	}
+	if hsTimeout <= 0 || maxHS <= 0 || maxHSSource <= 0 || maxPeerConns <= 0 {
+		return fmt.Errorf("-hbone-handshake-timeout %s, -hbone-max-handshakes %d, -hbone-max-handshakes-per-source %d, -hbone-max-conns-per-peer %d: each must be positive", hsTimeout, maxHS, maxHSSource, maxPeerConns)
 	}
 	if ackDelay < 0 || ackDelay > 100*time.Millisecond {
 		return fmt.Errorf("-ack-delay %s: want 0 (off) up to 100ms", ackDelay)
@@ -153,22 +164,27 @@ func runNode(ctx context.Context, args []string) error {
 		}
 	}
 	ncfg := node.Config{
-		Name:             nc.Name,
-		TUN:              tun.Config{Name: nc.TUN.Name, MTU: nc.TUN.MTU, TxQueueLen: nc.TUN.TxQueueLen},
-		CaptureLinks:     links,
-		Mesh:             mesh,
-		CA:               identity.CAConfig{Dir: c.CA.Dir, SVIDTTL: c.CA.SVIDTTL},
-		ConfigPath:       c.Path,
-		ConfigSum:        c.Sum(),
-		NoIntercept:      noIntercept,
-		HBONEOnNetstack:  hboneNetstack,
-		AckDelay:         ackDelay,
-		AdminAddr:        nc.Listen.Admin,
-		ConfigDumpFormat: nc.Listen.AdminFormat,
-		MetricsAddr:      nc.Listen.Metrics,
-		ReadinessAddr:    nc.Listen.Readiness,
-		DrainPeriod:      drain,
-		Logger:           log,
+		Name:            nc.Name,
+		TUN:             tun.Config{Name: nc.TUN.Name, MTU: nc.TUN.MTU, TxQueueLen: nc.TUN.TxQueueLen},
+		CaptureLinks:    links,
+		Mesh:            mesh,
+		CA:              identity.CAConfig{Dir: c.CA.Dir, SVIDTTL: c.CA.SVIDTTL},
+		ConfigPath:      c.Path,
+		ConfigSum:       c.Sum(),
+		NoIntercept:     noIntercept,
+		HBONEOnNetstack: hboneNetstack,
+		AckDelay:        ackDelay,
+
+		HBONEHandshakeTimeout:       hsTimeout,
+		HBONEMaxHandshakes:          maxHS,
+		HBONEMaxHandshakesPerSource: maxHSSource,
+		HBONEMaxConnsPerPeer:        maxPeerConns,
+		AdminAddr:                   nc.Listen.Admin,
+		ConfigDumpFormat:            nc.Listen.AdminFormat,
+		MetricsAddr:                 nc.Listen.Metrics,
+		ReadinessAddr:               nc.Listen.Readiness,
+		DrainPeriod:                 drain,
+		Logger:                      log,
 	}
 	if useKube || useXDS {
 		// Node settings apply at start; the model follows the API server

@@ -84,6 +84,13 @@ type Config struct {
 	// the TUN, as when the kernel cannot deliver a pod's port 15008 to a
 	// node socket (the fallback; for tests and comparisons).
 	HBONEOnNetstack bool
+	// HBONEHandshakeTimeout, HBONEMaxHandshakes,
+	// HBONEMaxHandshakesPerSource and HBONEMaxConnsPerPeer bound inbound
+	// HBONE (hbone.ServerConfig's HandshakeTimeout, MaxHandshakes,
+	// MaxHandshakesPerSource, MaxConnsPerPeer), on the kernel socket and
+	// the netstack alike; zero: the hbone package's defaults.
+	HBONEHandshakeTimeout                                                 time.Duration
+	HBONEMaxHandshakes, HBONEMaxHandshakesPerSource, HBONEMaxConnsPerPeer int
 	// AckDelay holds the netstack's pure ACKs on connections whose both
 	// ends it is back for up to this long, for a reply to carry the
 	// acknowledgment (stack.Config.AckDelay); 0 writes every ACK at once.
@@ -301,9 +308,13 @@ func Run(ctx context.Context, cfg Config) (err error) {
 			}
 			return w.Identity, true
 		}),
-		Handler:       n.px.InboundHandler(),
-		OnRefusedConn: n.px.TLSFailure,
-		Logger:        log,
+		Handler:                n.px.InboundHandler(),
+		OnRefusedConn:          n.px.TLSFailure,
+		HandshakeTimeout:       cfg.HBONEHandshakeTimeout,
+		MaxHandshakes:          cfg.HBONEMaxHandshakes,
+		MaxHandshakesPerSource: cfg.HBONEMaxHandshakesPerSource,
+		MaxConnsPerPeer:        cfg.HBONEMaxConnsPerPeer,
+		Logger:                 log,
 	})
 	if err != nil {
 		return err
@@ -441,6 +452,8 @@ func (n *node) dataPlaneStats() metrics.DataPlaneStats {
 		HBONEInbound: map[string]uint64{},
 	}
 	d.HBONEInbound["kernel"], d.HBONEInbound["netstack"] = n.px.HBONEAccepted()
+	d.HBONERefused = n.hs.Refused()
+	d.HBONEHandshakes, _ = n.hs.PendingHandshakes()
 	for p := range cs.VerbatimPackets {
 		proto := classify.Proto(p).String()
 		d.Packets[[2]string{"verbatim", proto}] = cs.VerbatimPackets[p]
