@@ -127,15 +127,16 @@ func kindNode(t *testing.T, name string, v4, v6 bool) {
 		route(nh, pod1, netip.PrefixFrom(kindPod4, 32))
 		route(nh, up, netip.MustParsePrefix("10.244.1.0/24"))
 		addr(ph, eth0, kindPod4, 32)
-		route(ph, eth0, netip.MustParsePrefix("0.0.0.0/0"))
+		gateway(t, ph, eth0, netip.MustParseAddr("10.244.0.1"))
 	}
 	if v6 {
 		pods = append(pods, kindPod6)
 		addr(nh, up, kindNode6, 64)
+		addr(nh, pod1, netip.MustParseAddr("fd00:10:244::1"), 128)
 		route(nh, pod1, netip.PrefixFrom(kindPod6, 128))
 		route(nh, up, netip.MustParsePrefix("fd00:10:244:1::/64"))
 		addr(ph, eth0, kindPod6, 128)
-		route(ph, eth0, netip.MustParsePrefix("::/0"))
+		gateway(t, ph, eth0, netip.MustParseAddr("fd00:10:244::1"))
 	}
 	// The pod's receivers, opened in its namespace.
 	if err := netns.Set(podNS); err != nil {
@@ -188,7 +189,7 @@ func kindNode(t *testing.T, name string, v4, v6 bool) {
 	ready := false
 	for l := range out {
 		lines = append(lines, l)
-		if l == "confined node: writing" {
+		if l == "confined node: ready" {
 			ready = true
 			break
 		}
@@ -199,6 +200,43 @@ func kindNode(t *testing.T, name string, v4, v6 bool) {
 		t.Fatalf("the confined node did not set up:\n%s", strings.Join(lines, "\n"))
 	}
 	t.Logf("confined node:\n%s", strings.Join(lines, "\n"))
+	// And the other way: what the pod sends (after resolving its gateway,
+	// which a strict capture link would refuse) reaches the TUN.
+	for _, a := range pods {
+		remote := kindRemote4
+		if a.Is6() {
+			remote = kindRemote6
+		}
+		want := fmt.Sprintf("tun read %s -> %s", a, remote)
+		deadline := time.After(5 * time.Second)
+		tick := time.NewTicker(20 * time.Millisecond)
+	wait:
+		for {
+			if _, err := conns[a].WriteToUDPAddrPort([]byte("out"), netip.AddrPortFrom(remote, 9001)); err != nil {
+				t.Fatal(err)
+			}
+			select {
+			case l, ok := <-out:
+				if !ok {
+					t.Errorf("%s: the confined node ended before the TUN read %q", name, want)
+					break wait
+				}
+				lines = append(lines, l)
+				if l == want {
+					break wait
+				}
+			case <-deadline:
+				t.Errorf("%s: the TUN never read the pod's packet (%q)", name, want)
+				break wait
+			case <-tick.C:
+			}
+		}
+		tick.Stop()
+	}
+	// Now the TUN writes back to the pod.
+	if _, err := stdin.Write([]byte("write\n")); err != nil {
+		t.Fatal(err)
+	}
 	for _, a := range pods {
 		got := map[string]bool{}
 		c := conns[a]
@@ -294,9 +332,28 @@ func confinedNode(t *testing.T, name string) {
 		v, _ := readSysctl("net/ipv4/conf/" + k)
 		fmt.Println(k, v)
 	}
-	fmt.Println("confined node: writing")
+	go func() {
+		buf := make([]byte, 2048)
+		for {
+			n, err := dev.Read(buf)
+			if err != nil {
+				return
+			}
+			if src, dst, dport, ok := udpOf(buf[:n]); ok && dport == 9001 {
+				fmt.Printf("tun read %s -> %s\n", src, dst)
+			}
+		}
+	}()
+	fmt.Println("confined node: ready")
+	// It writes only when told to, so that the pod first resolves its
+	// gateway itself (the node's ARP request for the pod, on the first
+	// write, would teach the pod the gateway's address).
+	in := bufio.NewReader(os.Stdin)
+	if l, err := in.ReadString('\n'); err != nil || l != "write\n" {
+		t.Fatalf("stdin: %q, %v", l, err)
+	}
 	done := make(chan struct{})
-	go func() { bufio.NewReader(os.Stdin).ReadString(0); close(done) }()
+	go func() { in.ReadString(0); close(done) }()
 	tick := time.NewTicker(20 * time.Millisecond) // UDP: resent until the parent has them
 	defer tick.Stop()
 	for {
@@ -358,4 +415,38 @@ func checksum(b []byte) uint16 {
 		s = s>>16 + s&0xffff
 	}
 	return uint16(s)
+}
+
+// gateway gives the pod a default route via gw on link l, on-link (as
+// kindnet's ptp does).
+func gateway(t *testing.T, h *netlink.Handle, l netlink.Link, gw netip.Addr) {
+	t.Helper()
+	dst := netip.PrefixFrom(netip.IPv4Unspecified(), 0)
+	if gw.Is6() {
+		dst = netip.PrefixFrom(netip.IPv6Unspecified(), 0)
+	}
+	r := &netlink.Route{LinkIndex: l.Attrs().Index, Dst: prefixToIPNet(dst), Gw: gw.AsSlice(), Flags: int(netlink.FLAG_ONLINK)}
+	if err := h.RouteAdd(r); err != nil {
+		t.Fatalf("default route via %s: %v", gw, err)
+	}
+}
+
+// udpOf returns the addresses and destination port of an IPv4 or IPv6
+// UDP packet.
+func udpOf(p []byte) (src, dst netip.Addr, dport uint16, ok bool) {
+	switch {
+	case len(p) >= 28 && p[0]>>4 == 4 && p[9] == unix.IPPROTO_UDP:
+		ihl := int(p[0]&0xf) * 4
+		if len(p) < ihl+8 {
+			return
+		}
+		src, _ = netip.AddrFromSlice(p[12:16])
+		dst, _ = netip.AddrFromSlice(p[16:20])
+		return src, dst, binary.BigEndian.Uint16(p[ihl+2:]), true
+	case len(p) >= 48 && p[0]>>4 == 6 && p[6] == unix.IPPROTO_UDP:
+		src, _ = netip.AddrFromSlice(p[8:24])
+		dst, _ = netip.AddrFromSlice(p[24:40])
+		return src, dst, binary.BigEndian.Uint16(p[42:]), true
+	}
+	return
 }

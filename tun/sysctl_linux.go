@@ -65,10 +65,12 @@ type sysctl struct {
 //     node's verbatim traffic to a pod) finds that address in the local
 //     table (priority 0, before any rule meshtun can add), on the node's
 //     uplink: that needs accept_local, the loose check and an IPv4
-//     address on the TUN (RPFAddr). Every other device keeps its value:
-//     the reverse-path lookups of packets arriving on pod links and
-//     uplinks towards the TUN are made as from the TUN, and "iif <tun>
-//     lookup main" answers with the link they came from.
+//     address on the TUN (RPFAddr). The reverse-path lookups of packets
+//     arriving on pod links and uplinks towards the TUN are made as from
+//     the TUN, and "iif <tun> lookup main" answers with the link they
+//     came from, so uplinks keep their value; only a capture link that
+//     is strict is made loose, over netlink, as its rules go in
+//     (looseLink: the pod's own ARP for its gateway needs it).
 //   - Forwarding, IPv4 and IPv6, which every Kubernetes node has on. If
 //     off, it is written to /proc/sys; where that is read-only, IPv4
 //     forwarding is set per device over netlink (IPV4_DEVCONF_FORWARDING,
@@ -101,6 +103,33 @@ func SetSysctls(cfg SysctlConfig) (*Sysctls, error) {
 		return fail(err)
 	}
 	return s, nil
+}
+
+// looseLink makes a capture link's reverse-path filter loose (2) over
+// netlink if it is strict (max(all, device) = 1), before its capture rules
+// go in. Strict filtering cannot work on a capture link: what the kernel
+// delivers locally from the pod (the pod's ARP request for its gateway,
+// an address of the link itself) is checked with a lookup made as from
+// iif lo, which meets the capture rule "to <pod>" and finds the TUN, not
+// the pod's link, so the pod could no longer resolve its gateway. The
+// capture rules' own source check (iif <link> from <pod>) is exact
+// instead. The value stays when meshtun stops (the rules stay too); the
+// link goes with its pod.
+func looseLink(name string) error {
+	all, err := readSysctl("net/ipv4/conf/all/rp_filter")
+	if err != nil {
+		return err
+	}
+	dev, err := readSysctl("net/ipv4/conf/" + name + "/rp_filter")
+	if errors.Is(err, os.ErrNotExist) {
+		return nil // not there (yet): nothing to filter
+	} else if err != nil {
+		return err
+	}
+	if max(all, dev) != "1" {
+		return nil
+	}
+	return setDevconf(name, map[uint16]uint32{devconfRPFilter: 2})
 }
 
 // forwarding turns forwarding of one family on (key is its /proc/sys
