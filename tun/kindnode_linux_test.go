@@ -48,7 +48,9 @@ func TestKindNodeSettings(t *testing.T) {
 	for _, c := range []struct {
 		name   string
 		v4, v6 bool
-	}{{"ipv4", true, false}, {"ipv6", false, true}, {"dual", true, true}} {
+	}{{"ipv4", true, false}, {"ipv6", false, true}, {"dual", true, true},
+		// Not kind: IPv4 forwarding off too, set per device over netlink.
+		{"ipv4-noforward", true, false}} {
 		t.Run(c.name, func(t *testing.T) { kindNode(t, c.name, c.v4, c.v6) })
 	}
 }
@@ -60,7 +62,7 @@ func kindNode(t *testing.T, name string, v4, v6 bool) {
 	inNewNetns(t)
 	for key, val := range map[string]string{
 		"net/ipv4/conf/all/rp_filter": "1", "net/ipv4/conf/default/rp_filter": "1",
-		"net/ipv4/ip_forward": b01(v4), "net/ipv6/conf/all/forwarding": b01(v6),
+		"net/ipv4/ip_forward": b01(v4 && name != "ipv4-noforward"), "net/ipv6/conf/all/forwarding": b01(v6),
 	} {
 		if err := writeSysctl(key, val); err != nil {
 			t.Fatal(err)
@@ -273,7 +275,7 @@ func b01(b bool) string {
 // writes UDP packets to the pod (from a remote peer, from the node's own
 // address) until its stdin closes.
 func confinedNode(t *testing.T, name string) {
-	v4, v6 := name != "ipv6", name != "ipv4"
+	v4, v6 := name != "ipv6", name == "ipv6" || name == "dual"
 	if _, err := netlink.LinkByName("pod1"); err != nil {
 		t.Fatalf("not in the node's namespace: %v", err)
 	}
