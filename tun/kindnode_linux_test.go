@@ -50,7 +50,10 @@ func TestKindNodeSettings(t *testing.T) {
 		v4, v6 bool
 	}{{"ipv4", true, false}, {"ipv6", false, true}, {"dual", true, true},
 		// Not kind: IPv4 forwarding off too, set per device over netlink.
-		{"ipv4-noforward", true, false}} {
+		{"ipv4-noforward", true, false},
+		// IPv6 pods, IPv6 forwarding off: no netlink way, so the node
+		// refuses to start, naming the sysctl.
+		{"ipv6-noforward", false, true}} {
 		t.Run(c.name, func(t *testing.T) { kindNode(t, c.name, c.v4, c.v6) })
 	}
 }
@@ -62,7 +65,7 @@ func kindNode(t *testing.T, name string, v4, v6 bool) {
 	inNewNetns(t)
 	for key, val := range map[string]string{
 		"net/ipv4/conf/all/rp_filter": "1", "net/ipv4/conf/default/rp_filter": "1",
-		"net/ipv4/ip_forward": b01(v4 && name != "ipv4-noforward"), "net/ipv6/conf/all/forwarding": b01(v6),
+		"net/ipv4/ip_forward": b01(v4 && name != "ipv4-noforward"), "net/ipv6/conf/all/forwarding": b01(v6 && name != "ipv6-noforward"),
 	} {
 		if err := writeSysctl(key, val); err != nil {
 			t.Fatal(err)
@@ -191,6 +194,17 @@ func kindNode(t *testing.T, name string, v4, v6 bool) {
 	ready := false
 	for l := range out {
 		lines = append(lines, l)
+		if name == "ipv6-noforward" && strings.HasPrefix(l, "confined node: refused: ") {
+			t.Log(l)
+			if !strings.Contains(l, "net.ipv6.conf.all.forwarding") {
+				t.Errorf("the refusal does not name the sysctl: %s", l)
+			}
+			stdin.Close()
+			if err := cmd.Wait(); err != nil {
+				t.Errorf("confined node: %v", err)
+			}
+			return
+		}
 		if l == "confined node: ready" {
 			ready = true
 			break
@@ -275,7 +289,7 @@ func b01(b bool) string {
 // writes UDP packets to the pod (from a remote peer, from the node's own
 // address) until its stdin closes.
 func confinedNode(t *testing.T, name string) {
-	v4, v6 := name != "ipv6", name == "ipv6" || name == "dual"
+	v4, v6 := strings.HasPrefix(name, "ipv4") || name == "dual", strings.HasPrefix(name, "ipv6") || name == "dual"
 	if _, err := netlink.LinkByName("pod1"); err != nil {
 		t.Fatalf("not in the node's namespace: %v", err)
 	}
@@ -301,6 +315,13 @@ func confinedNode(t *testing.T, name string) {
 	defer dev.Close()
 	log := zerolog.New(zerolog.NewTestWriter(t))
 	sys, err := SetSysctls(SysctlConfig{TUN: dev.Name(), IPv4: v4, IPv6: v6, Logger: log})
+	if name == "ipv6-noforward" {
+		if err == nil {
+			t.Fatal("SetSysctls accepted IPv6 pods with IPv6 forwarding off")
+		}
+		fmt.Println("confined node: refused:", err)
+		return
+	}
 	if err != nil {
 		t.Fatalf("SetSysctls on a kind node (%s): %v", name, err)
 	}
