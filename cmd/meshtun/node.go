@@ -14,6 +14,7 @@ import (
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 
 	"github.com/meshtun/meshtun/mesh/config"
+	"github.com/meshtun/meshtun/mesh/gate"
 	"github.com/meshtun/meshtun/mesh/identity"
 	"github.com/meshtun/meshtun/mesh/node"
 	"github.com/meshtun/meshtun/mesh/registry"
@@ -39,6 +40,7 @@ func runNode(ctx context.Context, args []string) error {
 		useKube              bool
 		kubeconfig           string
 		xf                   xdsFlags
+		cf                   cniFlags
 	)
 	fs.StringVar(&path, "config", "/etc/meshtun/mesh.yaml", "the mesh config `file` (see docs/config.md)")
 	fs.StringVar(&name, "node", os.Getenv("NODE_NAME"), "this node's `name` (default $NODE_NAME): its entry in the config file, and with --kubernetes the spec.nodeName of its pods")
@@ -49,6 +51,7 @@ func runNode(ctx context.Context, args []string) error {
 	fs.StringVar(&caTokenFile, "ca-token-file", defaultCATokenFile, "with --kubernetes: `file` of the projected service-account token (audience meshtun-ca) sent to `meshtun ca` as the node's credential, re-read for every request (the kubelet rotates it); empty: use --credentials")
 	fs.StringVar(&caRoots, "ca-roots", defaultCARoots, "with --kubernetes and --ca-token-file: PEM `file` of the CA roots that verify `meshtun ca` (the meshtun-ca-root ConfigMap)")
 	xf.register(fs)
+	cf.register(fs)
 	fs.BoolVar(&noIntercept, "no-intercept", false, "intercept nothing: every packet goes through the TUN verbatim (for measuring the TUN path alone)")
 	fs.BoolVar(&uninstall, "uninstall", false, "remove meshtun from this network namespace (its rules and blocking routes, which a stopped proxy leaves so that captured traffic stays blocked) and exit; refused while a proxy runs")
 	fs.BoolVar(&hboneNetstack, "hbone-netstack", false, "terminate inbound HBONE on the netstack through the TUN, not on a kernel socket (the fallback when the kernel cannot; for comparisons)")
@@ -107,6 +110,9 @@ func runNode(ctx context.Context, args []string) error {
 	if useXDS && useKube {
 		return errors.New("--xds-address and --kubernetes are two sources of the mesh model: pick one")
 	}
+	if cf.enabled && !useKube {
+		return errors.New("--cni needs --kubernetes: the startup gate decides enrolment from the API server")
+	}
 	var nc *config.NodeConfig
 	if useKube || useXDS {
 		nc, err = c.NodeOrDefault(name)
@@ -122,6 +128,8 @@ func runNode(ctx context.Context, args []string) error {
 		updates  <-chan *registry.Snapshot
 		status   func() any
 		captured func([]registry.WorkloadRef)
+		cniGate  *gate.Gate
+		cniPods  *gatePods
 	)
 	if useKube {
 		// The file's capture links (rarely any) carry no pod sources here;
@@ -129,7 +137,10 @@ func runNode(ctx context.Context, args []string) error {
 		for _, l := range nc.CaptureLinks {
 			links = append(links, tun.CaptureLink{Name: l})
 		}
-		snap, src, err := startKube(ctx, kubeconfig, name, c, log)
+		if cf.enabled {
+			cniGate, cniPods = cf.newGate(name, log)
+		}
+		snap, src, err := startKube(ctx, kubeconfig, name, c, announcedFunc(cniGate), log)
 		if err != nil {
 			if errors.Is(err, context.Canceled) {
 				return nil
@@ -138,6 +149,12 @@ func runNode(ctx context.Context, args []string) error {
 		}
 		mesh, updates = snap, src.Updates()
 		status = func() any { return src.Status() }
+		if cniGate != nil {
+			cniPods.Pods = src
+			if err := cf.startGate(ctx, cniGate, log); err != nil {
+				return err
+			}
+		}
 	} else if useXDS {
 		// As with --kubernetes: the pods' links are found from their routes.
 		for _, l := range nc.CaptureLinks {
@@ -191,6 +208,14 @@ func runNode(ctx context.Context, args []string) error {
 		// (or istiod).
 		ncfg.ConfigPath = ""
 		ncfg.Updates, ncfg.CaptureByRoute, ncfg.Status, ncfg.Captured = updates, true, status, captured
+	}
+	if cniGate != nil {
+		ncfg.CapturedWorkloads, ncfg.LinkHint = cniGate.Captured, cniGate.LinkHint
+		ncfg.WhileReady = func(ctx context.Context) {
+			if err := cniGate.Serve(ctx); err != nil {
+				log.Error().Err(err).Msg("CNI startup gate: pods of the mesh cannot start on this node")
+			}
+		}
 	}
 	switch {
 	case spireSocket != "":

@@ -77,6 +77,19 @@ type Config struct {
 	// source, a pod is annotated for redirection only once it is
 	// (kube.Redirector.Captured).
 	Captured func([]registry.WorkloadRef)
+	// CapturedWorkloads, if set, is told the same as Captured, with the
+	// workloads (and so their addresses): the CNI startup gate answers a
+	// pod's ADD once its announced addresses are captured.
+	CapturedWorkloads func([]*registry.Workload)
+	// LinkHint, if set, names the host link of a local workload's address
+	// when CaptureByRoute finds no route to it (the CNI startup gate's
+	// announced link).
+	LinkHint func(netip.Addr) (string, bool)
+	// WhileReady, if set, runs from the moment the node is ready (capture
+	// installed) until it starts to drain, when its context ends: the CNI
+	// startup gate's server, which must not answer before the node can
+	// capture nor after it stops doing so.
+	WhileReady func(context.Context)
 	// NoIntercept leaves every packet verbatim: the TUN is in the path but
 	// no flow is proxied. For measuring the TUN path alone.
 	NoIntercept bool
@@ -371,6 +384,13 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	}
 
 	n.ready.Store(true)
+	readyCtx, stopReady := context.WithCancel(runCtx)
+	var whileReady sync.WaitGroup
+	if cfg.WhileReady != nil {
+		whileReady.Go(func() { cfg.WhileReady(readyCtx) })
+	}
+	defer whileReady.Wait()
+	defer stopReady()
 	var linkNames []string
 	for _, l := range links {
 		linkNames = append(linkNames, l.Name)
@@ -384,6 +404,8 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	// Drain: not ready, GOAWAY to HBONE clients, new connections refused,
 	// open ones given DrainPeriod to finish.
 	n.ready.Store(false)
+	stopReady()
+	whileReady.Wait()
 	n.px.StopNew()
 	log.Info().Int("open", n.px.Open()).Dur("drain_period", cfg.DrainPeriod).Msg("draining")
 	dctx, cancel := context.WithTimeout(runCtx, cfg.DrainPeriod)
@@ -709,10 +731,11 @@ func (n *node) install(ctx context.Context, snap *registry.Snapshot, links []tun
 // workload's certificate held and, with CaptureByRoute, its host link
 // found. Called with captureMu held, or before the node follows updates.
 func (n *node) reportCaptured(locals []*registry.Workload, rulesOK bool) {
-	if n.cfg.Captured == nil {
+	if n.cfg.Captured == nil && n.cfg.CapturedWorkloads == nil {
 		return
 	}
 	var refs []registry.WorkloadRef
+	var ws []*registry.Workload
 	for _, w := range locals {
 		if !rulesOK || n.noRoute[w.String()] {
 			continue
@@ -721,8 +744,14 @@ func (n *node) reportCaptured(locals []*registry.Workload, rulesOK bool) {
 			continue
 		}
 		refs = append(refs, registry.WorkloadRef{Namespace: w.Namespace, Name: w.Name})
+		ws = append(ws, w)
 	}
-	n.cfg.Captured(refs)
+	if n.cfg.Captured != nil {
+		n.cfg.Captured(refs)
+	}
+	if n.cfg.CapturedWorkloads != nil {
+		n.cfg.CapturedWorkloads(ws)
+	}
 }
 
 // captureLinks returns links plus, with CaptureByRoute, the host-side
@@ -756,6 +785,14 @@ func (n *node) captureLinks(links []tun.CaptureLink, locals []*registry.Workload
 			if hl, ok := found[a.Unmap()]; ok {
 				link = &hl
 				break
+			}
+		}
+		if link == nil && n.cfg.LinkHint != nil {
+			for _, a := range w.Addresses {
+				if name, ok := n.cfg.LinkHint(a.Unmap()); ok && tun.RoutedLink(name) {
+					link = &tun.HostLink{Name: name}
+					break
+				}
 			}
 		}
 		switch {
