@@ -216,7 +216,7 @@ func (g *Gate) expireLocked() bool {
 		if why != "" {
 			delete(g.pending, ref)
 			dropped = true
-			g.log.Debug().Str("pod", ref.String()).Str("why", why).Dur("held", time.Since(a.since)).Msg("announcement dropped")
+			g.log.Info().Str("pod", ref.String()).Str("why", why).Dur("held", time.Since(a.since)).Msg("announcement dropped")
 		}
 	}
 	return dropped
