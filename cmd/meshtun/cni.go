@@ -146,7 +146,7 @@ func announcedFunc(g *gate.Gate) func(string, string, string) []netip.Addr {
 }
 
 // runCNI runs "meshtun cni": the plugin's operator commands.
-func runCNI(_ context.Context, args []string) error {
+func runCNI(ctx context.Context, args []string) error {
 	if len(args) == 0 || args[0] != "uninstall" {
 		return errors.New("usage: meshtun cni uninstall [flags]")
 	}
@@ -154,6 +154,7 @@ func runCNI(_ context.Context, args []string) error {
 	binDir := fs.String("cni-bin-dir", "/host/opt/cni/bin", "the node's CNI bin `directory`")
 	confDir := fs.String("cni-conf-dir", "/host/etc/cni/net.d", "the node's CNI config `directory`")
 	dir := fs.String("cni-dir", cni.DefaultDir, "the `directory` of the gate's socket and state file")
+	wait := fs.Bool("wait", false, "after uninstalling, wait until stopped (as a DaemonSet's container, which must not exit)")
 	if err := fs.Parse(args[1:]); err != nil {
 		return err
 	}
@@ -177,5 +178,8 @@ func runCNI(_ context.Context, args []string) error {
 		return err
 	}
 	log.Info().Str("bin_dir", *binDir).Str("cni_dir", *dir).Msg("meshtun-cni uninstalled from this node: pods start without the startup gate")
+	if *wait {
+		<-ctx.Done()
+	}
 	return nil
 }
