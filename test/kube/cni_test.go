@@ -269,6 +269,25 @@ func TestCNIGate(t *testing.T) {
 		}
 	})
 
+	t.Run("plugin put back when the pod network rewrites its conflist", func(t *testing.T) {
+		mark := m1.Len()
+		path := filepath.Join(h.confDir, "10-kindnet.conflist")
+		// As kindnet does: a new file renamed over the old one.
+		tmp := filepath.Join(h.confDir, "kindnet.tmp")
+		if err := os.WriteFile(tmp, []byte(testConflist), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(tmp, path); err != nil {
+			t.Fatal(err)
+		}
+		waitLog(t, m1, mark, "plugin added back", func(l noderun.Line) bool {
+			return l.Str("message") == "meshtun-cni added to the node's conflist" && l.Str("conflist") == path
+		})
+		if !cni.HasPlugin(mustRead(t, path)) {
+			t.Errorf("conflist without the plugin after the node said it added it back:\n%s", mustRead(t, path))
+		}
+	})
+
 	t.Run("ADD fails once the node stops", func(t *testing.T) {
 		again := pendingPod(t, k, p12, "apps", "later", "later")
 		if err := m1.Stop(syscall.SIGTERM); err != nil {
