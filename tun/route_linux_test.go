@@ -251,6 +251,11 @@ func TestSysctlsStrictAll(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	// A new namespace copies ip_forward from the machine's (podman, for
+	// one, turns it on there): start from off, whatever the machine has.
+	if err := writeSysctl("net/ipv4/ip_forward", "0"); err != nil {
+		t.Fatal(err)
+	}
 	dev, err := Open(Config{Name: "mt0"})
 	if err != nil {
 		t.Fatal(err)
