@@ -153,8 +153,12 @@ func (r *Redirector) reconcile(ctx context.Context) {
 		if !want[ref] {
 			val = "null"
 		}
+		// Through pods/status, as istio-cni does: the node's account
+		// may not patch pods (that could change what they run), and
+		// deploy/istio's admission policy lets it change only this
+		// annotation of its own node's pods.
 		patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:%s}}}`, RedirectionAnnotation, val)
-		err := r.cs.PatchPod(ctx, p.Namespace, p.Name, types.MergePatchType, []byte(patch))
+		err := r.cs.PatchPodStatus(ctx, p.Namespace, p.Name, types.MergePatchType, []byte(patch))
 		if err != nil {
 			r.log.Error().Err(err).Str("pod", ref.String()).Bool("redirected", want[ref]).Msg("cannot set the pod's redirection annotation")
 			continue

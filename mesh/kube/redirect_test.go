@@ -2,6 +2,7 @@ package kube
 
 import (
 	"context"
+	"strings"
 	"testing"
 	"time"
 
@@ -10,6 +11,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
 
 	"github.com/meshtun/meshtun/mesh/registry"
 )
@@ -114,4 +116,20 @@ func TestRedirectorAnnotatesOnlyCaptured(t *testing.T) {
 		}
 	}
 	waitAnnotated(false, "after the pod opted out")
+
+	// Every write of the redirector went through pods/status: the node's
+	// account has no patch on pods (deploy/istio).
+	n := 0
+	for _, a := range cs.Actions() {
+		if pa, ok := a.(k8stesting.PatchAction); ok && pa.GetResource().Resource == "pods" && pa.GetName() == "web" &&
+			!strings.Contains(string(pa.GetPatch()), DataplaneModeLabel) {
+			n++
+			if pa.GetSubresource() != "status" {
+				t.Errorf("the redirector patched pod apps/web through %q, want the status subresource: %s", pa.GetSubresource(), pa.GetPatch())
+			}
+		}
+	}
+	if n != 2 {
+		t.Errorf("%d redirector patches of apps/web, want 2 (set, remove)", n)
+	}
 }

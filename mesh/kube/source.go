@@ -55,8 +55,9 @@ type API interface {
 	// "services", "endpointslices") in all namespaces; tweak, if not nil,
 	// adjusts every request's options.
 	ListWatch(resource string, tweak func(*metav1.ListOptions)) cache.ListerWatcher
-	// PatchPod patches a pod.
-	PatchPod(ctx context.Context, namespace, name string, pt types.PatchType, data []byte) error
+	// PatchPodStatus patches a pod through its status subresource (the
+	// redirector's annotation; deploy/istio grants only pods/status).
+	PatchPodStatus(ctx context.Context, namespace, name string, pt types.PatchType, data []byte) error
 	// APIResources returns the resources served in groupVersion.
 	APIResources(ctx context.Context, groupVersion string) (*metav1.APIResourceList, error)
 }
