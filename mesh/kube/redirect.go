@@ -27,8 +27,8 @@ const (
 
 // Redirector plays istio-cni's part for meshtun under istiod: it sets
 // RedirectionAnnotation on this node's pods that are enrolled in the
-// ambient mesh (namespace labelled istio.io/dataplane-mode=ambient, pod
-// not opted out, not host-network, with an address) and removes it from
+// ambient mesh (pod or namespace labelled istio.io/dataplane-mode=ambient,
+// pod not opted out, not host-network, with an address: Enrolled) and removes it from
 // the ones that leave, so that istiod's model marks exactly them HBONE.
 //
 // The order is istio-cni's with ztunnel: a pod is captured first, then
@@ -170,6 +170,6 @@ func (r *Redirector) reconcile(ctx context.Context) {
 // Redirected reports whether pod p belongs in the ambient mesh (the
 // enrollment rules of Source), nsEnrolled being its namespace's label.
 func Redirected(p *corev1.Pod, nsEnrolled bool) bool {
-	return nsEnrolled && !p.Spec.HostNetwork && p.Labels[DataplaneModeLabel] != ModeNone &&
+	return Enrolled(p, nsEnrolled) && !p.Spec.HostNetwork &&
 		p.DeletionTimestamp == nil && p.Status.PodIP != ""
 }
