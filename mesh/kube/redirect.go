@@ -44,6 +44,7 @@ type Redirector struct {
 	cs     API
 	node   string
 	enroll func(map[registry.WorkloadRef]bool)
+	probes func(map[registry.WorkloadRef][]uint16)
 	log    zerolog.Logger
 	pods   cache.SharedIndexInformer
 	nss    cache.SharedIndexInformer
@@ -55,11 +56,12 @@ type Redirector struct {
 
 // NewRedirector returns a redirector for node's pods; Run runs it. enroll
 // receives the set of the node's pods that belong in the mesh each time
-// it changes (xds.Source.Enroll); the node reports what it has captured
-// to Captured.
-func NewRedirector(cs API, node string, enroll func(map[registry.WorkloadRef]bool), log zerolog.Logger) *Redirector {
+// it changes (xds.Source.Enroll); probes, if not nil, the health-probe
+// ports of the node's pods that have any (xds.Source.ProbePorts: istiod
+// sends none); the node reports what it has captured to Captured.
+func NewRedirector(cs API, node string, enroll func(map[registry.WorkloadRef]bool), probes func(map[registry.WorkloadRef][]uint16), log zerolog.Logger) *Redirector {
 	r := &Redirector{
-		cs: cs, node: node, enroll: enroll, log: log.With().Str("component", "redirector").Logger(),
+		cs: cs, node: node, enroll: enroll, probes: probes, log: log.With().Str("component", "redirector").Logger(),
 		dirty: make(chan struct{}, 1), captured: map[registry.WorkloadRef]bool{},
 	}
 	r.pods = newInformer(cs.ListWatch("pods", func(o *metav1.ListOptions) {
@@ -138,6 +140,15 @@ func (r *Redirector) reconcile(ctx context.Context) {
 		if Redirected(p, enrolled[p.Namespace]) {
 			want[registry.WorkloadRef{Namespace: p.Namespace, Name: p.Name}] = true
 		}
+	}
+	if r.probes != nil {
+		ports := map[registry.WorkloadRef][]uint16{}
+		for _, p := range pods {
+			if ps := probePorts(p); len(ps) > 0 && !p.Spec.HostNetwork {
+				ports[registry.WorkloadRef{Namespace: p.Namespace, Name: p.Name}] = ps
+			}
+		}
+		r.probes(ports) // before the enrollment: a STRICT pod's probes pass from its capture on
 	}
 	r.enroll(want)
 	r.mu.Lock()

@@ -209,7 +209,7 @@ func TestIstioRedirectPolicy(t *testing.T) {
 			t.Fatal(err)
 		}
 		rctx, cancel := context.WithCancel(ctx)
-		r := meshkube.NewRedirector(api, "node-a", func(map[registry.WorkloadRef]bool) {}, zerolog.New(zerolog.NewTestWriter(t)))
+		r := meshkube.NewRedirector(api, "node-a", func(map[registry.WorkloadRef]bool) {}, nil, zerolog.New(zerolog.NewTestWriter(t)))
 		done := make(chan struct{})
 		go func() { r.Run(rctx); close(done) }()
 		defer func() { cancel(); <-done }()
