@@ -471,3 +471,29 @@ func TestProbePortsFromPods(t *testing.T) {
 	src.ProbePorts(nil)
 	next(t, src, "a's probe ports gone", func(s *registry.Snapshot) bool { return len(probes(s, "10.0.0.1")) == 0 })
 }
+
+// TestServicePassthroughMode: a service istiod sends with load-balancing
+// mode PASSTHROUGH is marked so in the model (the proxy then sends to the
+// original destination instead of refusing "no endpoint"); FAILOVER is
+// not.
+func TestServicePassthroughMode(t *testing.T) {
+	f := newFakeIstiod(t)
+	pt := svc("10.96.0.20")
+	pt.GetService().Name, pt.GetService().Hostname = "ext", "ext.example.com"
+	pt.GetService().LoadBalancing = &workloadapi.LoadBalancing{Mode: workloadapi.LoadBalancing_PASSTHROUGH}
+	for name, a := range map[string]*workloadapi.Address{
+		"default/web.default.svc.cluster.local": svc("10.96.0.10"),
+		"default/ext.example.com":               pt,
+	} {
+		if err := f.addrs.UpdateResource(name, a); err != nil {
+			t.Fatal(err)
+		}
+	}
+	_, snap := newSource(t, f)
+	if s, _ := snap.Service(netip.MustParseAddrPort("10.96.0.20:80")); s == nil || !s.Passthrough {
+		t.Errorf("PASSTHROUGH service: %+v, want Passthrough", s)
+	}
+	if s, _ := snap.Service(netip.MustParseAddrPort("10.96.0.10:80")); s == nil || s.Passthrough {
+		t.Errorf("FAILOVER service: %+v, want not Passthrough", s)
+	}
+}
