@@ -99,7 +99,7 @@ func startXDS(ctx context.Context, f xdsFlags, kubeconfig, nodeName string, c *c
 		// carry the annotation, which the redirector sets once the node
 		// has captured them (the source marks them in the mesh here
 		// meanwhile).
-		r := kube.NewRedirector(cs, nodeName, src.Enroll, log)
+		r := kube.NewRedirector(cs, nodeName, src.Enroll, src.ProbePorts, log)
 		captured = r.Captured
 		go r.Run(ctx)
 	}

@@ -58,8 +58,8 @@ func (f fakeAPI) ListWatch(resource string, tweak func(*metav1.ListOptions)) cac
 	}, f.cs)
 }
 
-func (f fakeAPI) PatchPod(ctx context.Context, namespace, name string, pt types.PatchType, data []byte) error {
-	_, err := f.cs.CoreV1().Pods(namespace).Patch(ctx, name, pt, data, metav1.PatchOptions{})
+func (f fakeAPI) PatchPodStatus(ctx context.Context, namespace, name string, pt types.PatchType, data []byte) error {
+	_, err := f.cs.CoreV1().Pods(namespace).Patch(ctx, name, pt, data, metav1.PatchOptions{}, "status")
 	return err
 }
 

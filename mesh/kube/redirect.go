@@ -27,8 +27,8 @@ const (
 
 // Redirector plays istio-cni's part for meshtun under istiod: it sets
 // RedirectionAnnotation on this node's pods that are enrolled in the
-// ambient mesh (namespace labelled istio.io/dataplane-mode=ambient, pod
-// not opted out, not host-network, with an address) and removes it from
+// ambient mesh (pod or namespace labelled istio.io/dataplane-mode=ambient,
+// pod not opted out, not host-network, with an address: Enrolled) and removes it from
 // the ones that leave, so that istiod's model marks exactly them HBONE.
 //
 // The order is istio-cni's with ztunnel: a pod is captured first, then
@@ -44,6 +44,7 @@ type Redirector struct {
 	cs     API
 	node   string
 	enroll func(map[registry.WorkloadRef]bool)
+	probes func(map[registry.WorkloadRef][]uint16)
 	log    zerolog.Logger
 	pods   cache.SharedIndexInformer
 	nss    cache.SharedIndexInformer
@@ -55,11 +56,12 @@ type Redirector struct {
 
 // NewRedirector returns a redirector for node's pods; Run runs it. enroll
 // receives the set of the node's pods that belong in the mesh each time
-// it changes (xds.Source.Enroll); the node reports what it has captured
-// to Captured.
-func NewRedirector(cs API, node string, enroll func(map[registry.WorkloadRef]bool), log zerolog.Logger) *Redirector {
+// it changes (xds.Source.Enroll); probes, if not nil, the health-probe
+// ports of the node's pods that have any (xds.Source.ProbePorts: istiod
+// sends none); the node reports what it has captured to Captured.
+func NewRedirector(cs API, node string, enroll func(map[registry.WorkloadRef]bool), probes func(map[registry.WorkloadRef][]uint16), log zerolog.Logger) *Redirector {
 	r := &Redirector{
-		cs: cs, node: node, enroll: enroll, log: log.With().Str("component", "redirector").Logger(),
+		cs: cs, node: node, enroll: enroll, probes: probes, log: log.With().Str("component", "redirector").Logger(),
 		dirty: make(chan struct{}, 1), captured: map[registry.WorkloadRef]bool{},
 	}
 	r.pods = newInformer(cs.ListWatch("pods", func(o *metav1.ListOptions) {
@@ -139,6 +141,15 @@ func (r *Redirector) reconcile(ctx context.Context) {
 			want[registry.WorkloadRef{Namespace: p.Namespace, Name: p.Name}] = true
 		}
 	}
+	if r.probes != nil {
+		ports := map[registry.WorkloadRef][]uint16{}
+		for _, p := range pods {
+			if ps := probePorts(p); len(ps) > 0 && !p.Spec.HostNetwork {
+				ports[registry.WorkloadRef{Namespace: p.Namespace, Name: p.Name}] = ps
+			}
+		}
+		r.probes(ports) // before the enrollment: a STRICT pod's probes pass from its capture on
+	}
 	r.enroll(want)
 	r.mu.Lock()
 	captured := r.captured
@@ -153,8 +164,12 @@ func (r *Redirector) reconcile(ctx context.Context) {
 		if !want[ref] {
 			val = "null"
 		}
+		// Through pods/status, as istio-cni does: the node's account
+		// may not patch pods (that could change what they run), and
+		// deploy/istio's admission policy lets it change only this
+		// annotation of its own node's pods.
 		patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:%s}}}`, RedirectionAnnotation, val)
-		err := r.cs.PatchPod(ctx, p.Namespace, p.Name, types.MergePatchType, []byte(patch))
+		err := r.cs.PatchPodStatus(ctx, p.Namespace, p.Name, types.MergePatchType, []byte(patch))
 		if err != nil {
 			r.log.Error().Err(err).Str("pod", ref.String()).Bool("redirected", want[ref]).Msg("cannot set the pod's redirection annotation")
 			continue
@@ -166,6 +181,6 @@ func (r *Redirector) reconcile(ctx context.Context) {
 // Redirected reports whether pod p belongs in the ambient mesh (the
 // enrollment rules of Source), nsEnrolled being its namespace's label.
 func Redirected(p *corev1.Pod, nsEnrolled bool) bool {
-	return nsEnrolled && !p.Spec.HostNetwork && p.Labels[DataplaneModeLabel] != ModeNone &&
+	return Enrolled(p, nsEnrolled) && !p.Spec.HostNetwork &&
 		p.DeletionTimestamp == nil && p.Status.PodIP != ""
 }

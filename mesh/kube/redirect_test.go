@@ -2,6 +2,8 @@ package kube
 
 import (
 	"context"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -9,7 +11,9 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
 
 	"github.com/meshtun/meshtun/mesh/registry"
 )
@@ -40,7 +44,7 @@ func TestRedirectorAnnotatesOnlyCaptured(t *testing.T) {
 		case <-ctx.Done():
 		}
 	}
-	r := NewRedirector(fakeAPI{cs}, "n1", enroll, zerolog.New(zerolog.NewTestWriter(t)))
+	r := NewRedirector(fakeAPI{cs}, "n1", enroll, nil, zerolog.New(zerolog.NewTestWriter(t)))
 	done := make(chan struct{})
 	go func() { r.Run(ctx); close(done) }()
 	defer func() { cancel(); <-done }()
@@ -114,4 +118,76 @@ func TestRedirectorAnnotatesOnlyCaptured(t *testing.T) {
 		}
 	}
 	waitAnnotated(false, "after the pod opted out")
+
+	// Every write of the redirector went through pods/status: the node's
+	// account has no patch on pods (deploy/istio).
+	n := 0
+	for _, a := range cs.Actions() {
+		if pa, ok := a.(k8stesting.PatchAction); ok && pa.GetResource().Resource == "pods" && pa.GetName() == "web" &&
+			!strings.Contains(string(pa.GetPatch()), DataplaneModeLabel) {
+			n++
+			if pa.GetSubresource() != "status" {
+				t.Errorf("the redirector patched pod apps/web through %q, want the status subresource: %s", pa.GetSubresource(), pa.GetPatch())
+			}
+		}
+	}
+	if n < 2 { // a pass on a cache not yet updated may repeat one
+		t.Errorf("%d redirector patches of apps/web, want at least 2 (set, remove)", n)
+	}
+}
+
+// TestRedirectedPodLabel: the redirector's enrollment is Istio's: a pod
+// labelled istio.io/dataplane-mode=ambient is enrolled in an unlabelled
+// namespace, one labelled none is not in an enrolled one.
+func TestRedirectedPodLabel(t *testing.T) {
+	for _, c := range []struct {
+		podLabel        string
+		nsAmbient, want bool
+	}{
+		{"", true, true}, {"", false, false},
+		{ModeAmbient, false, true}, {ModeAmbient, true, true},
+		{ModeNone, true, false}, {ModeNone, false, false},
+	} {
+		p := pod("apps", "web", "n1", "198.18.1.10")
+		p.Status.PodIP = "198.18.1.10"
+		if c.podLabel != "" {
+			p.Labels[DataplaneModeLabel] = c.podLabel
+		}
+		if got := Redirected(p, c.nsAmbient); got != c.want {
+			t.Errorf("pod label %q, namespace enrolled %v: Redirected = %v, want %v", c.podLabel, c.nsAmbient, got, c.want)
+		}
+	}
+}
+
+// TestRedirectorProbePorts: under istiod, whose workloads carry no probe
+// ports, the redirector hands the node's pods' probe ports (from the
+// Kubernetes API) to the model, so that the kubelet's probes of a STRICT
+// pod pass; host-network pods and pods without probes are left out.
+func TestRedirectorProbePorts(t *testing.T) {
+	web := pod("apps", "web", "n1", "198.18.1.10")
+	web.Spec.Containers = []corev1.Container{{Name: "app",
+		Ports:          []corev1.ContainerPort{{Name: "health", ContainerPort: 8081}},
+		ReadinessProbe: &corev1.Probe{ProbeHandler: corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Port: intstr.FromString("health")}}},
+		StartupProbe:   &corev1.Probe{ProbeHandler: corev1.ProbeHandler{GRPC: &corev1.GRPCAction{Port: 9090}}},
+	}}
+	host := pod("apps", "host", "n1", "198.18.0.1")
+	host.Spec.HostNetwork = true
+	host.Spec.Containers = web.Spec.Containers
+	cs := fake.NewClientset(ns("apps", false), web, host, pod("apps", "plain", "n1", "198.18.1.11"))
+	got := make(chan map[registry.WorkloadRef][]uint16, 16)
+	ctx, cancel := context.WithCancel(context.Background())
+	r := NewRedirector(fakeAPI{cs}, "n1", func(map[registry.WorkloadRef]bool) {},
+		func(m map[registry.WorkloadRef][]uint16) { got <- m }, zerolog.New(zerolog.NewTestWriter(t)))
+	done := make(chan struct{})
+	go func() { r.Run(ctx); close(done) }()
+	defer func() { cancel(); <-done }()
+	select {
+	case m := <-got:
+		want := map[registry.WorkloadRef][]uint16{{Namespace: "apps", Name: "web"}: {8081, 9090}}
+		if len(m) != len(want) || !slices.Equal(m[registry.WorkloadRef{Namespace: "apps", Name: "web"}], want[registry.WorkloadRef{Namespace: "apps", Name: "web"}]) {
+			t.Errorf("probe ports %v, want %v", m, want)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the redirector reported no probe ports")
+	}
 }

@@ -55,8 +55,9 @@ type API interface {
 	// "services", "endpointslices") in all namespaces; tweak, if not nil,
 	// adjusts every request's options.
 	ListWatch(resource string, tweak func(*metav1.ListOptions)) cache.ListerWatcher
-	// PatchPod patches a pod.
-	PatchPod(ctx context.Context, namespace, name string, pt types.PatchType, data []byte) error
+	// PatchPodStatus patches a pod through its status subresource (the
+	// redirector's annotation; deploy/istio grants only pods/status).
+	PatchPodStatus(ctx context.Context, namespace, name string, pt types.PatchType, data []byte) error
 	// APIResources returns the resources served in groupVersion.
 	APIResources(ctx context.Context, groupVersion string) (*metav1.APIResourceList, error)
 }
@@ -391,13 +392,29 @@ func (s *Source) model() (registry.Model, []PodStatus, error) {
 	return m, local, nil
 }
 
+// Enrolled reports whether pod p is enrolled in the ambient mesh by its
+// labels, nsEnrolled being whether its namespace is labelled
+// istio.io/dataplane-mode=ambient: Istio's rule, the pod's own label
+// first (ambient enrolls it in any namespace, none opts it out), then
+// the namespace's. The one rule of the Kubernetes source and of the
+// redirector under istiod.
+func Enrolled(p *corev1.Pod, nsEnrolled bool) bool {
+	switch p.Labels[DataplaneModeLabel] {
+	case ModeNone:
+		return false
+	case ModeAmbient:
+		return true
+	}
+	return nsEnrolled
+}
+
 // notInMeshReason says why a workload pod is not in the mesh.
 func notInMeshReason(p *corev1.Pod, nsEnrolled bool) string {
 	if p.Labels[DataplaneModeLabel] == ModeNone {
 		return "pod labelled " + DataplaneModeLabel + "=" + ModeNone
 	}
 	if !nsEnrolled {
-		return "namespace not labelled " + DataplaneModeLabel + "=" + ModeAmbient
+		return "neither pod nor namespace labelled " + DataplaneModeLabel + "=" + ModeAmbient
 	}
 	return "not enrolled"
 }
@@ -417,7 +434,7 @@ func (s *Source) workload(p *corev1.Pod, enrolled map[string]bool, owner map[net
 	w := &registry.Workload{
 		Name: p.Name, Namespace: p.Namespace, ServiceAccount: p.Spec.ServiceAccountName,
 		Node: p.Spec.NodeName, Labels: p.Labels,
-		InMesh: enrolled[p.Namespace] && p.Labels[DataplaneModeLabel] != ModeNone,
+		InMesh: Enrolled(p, enrolled[p.Namespace]),
 		Health: registry.Unhealthy,
 	}
 	ips := p.Status.PodIPs

@@ -80,8 +80,11 @@ func TestModel(t *testing.T) {
 		ReadinessProbe: &corev1.Probe{ProbeHandler: corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Port: intstr.FromString("health")}}},
 		LivenessProbe:  &corev1.Probe{ProbeHandler: corev1.ProbeHandler{TCPSocket: &corev1.TCPSocketAction{Port: intstr.FromInt32(9000)}}},
 	}}
+	// Labelled ambient itself, in an unlabelled namespace: enrolled (Istio).
+	own := pod("plain", "own", "n2", "198.18.2.13")
+	own.Labels[DataplaneModeLabel] = ModeAmbient
 	s, cs := start(t, ns("mesh", true), ns("plain", false), a, opted, host, pending, notReady,
-		pod("plain", "b", "n2", "198.18.2.11"), svc, slice)
+		pod("plain", "b", "n2", "198.18.2.11"), own, svc, slice)
 	snap, err := s.Build()
 	if err != nil {
 		t.Fatal(err)
@@ -98,6 +101,9 @@ func TestModel(t *testing.T) {
 	}
 	if w := snap.Workload(netip.MustParseAddr("198.18.2.11")); w == nil || w.InMesh {
 		t.Errorf("pod of an unlabelled namespace: %+v, want a workload outside the mesh", w)
+	}
+	if w := snap.Workload(netip.MustParseAddr("198.18.2.13")); w == nil || !w.InMesh {
+		t.Errorf("pod labelled %s=%s in an unlabelled namespace: %+v, want a workload in the mesh", DataplaneModeLabel, ModeAmbient, w)
 	}
 	for _, ip := range []string{"198.18.0.11", "198.18.1.14"} {
 		if w := snap.Workload(netip.MustParseAddr(ip)); w != nil {

@@ -167,16 +167,11 @@ func (p *Proxy) outboundFrom(snap *registry.Snapshot, req *stack.TCPRequest, src
 		p.newRecord(req.Src, req.Dst, src, dst, "outbound", "refused").refused(&refusedWorkloadError{src})
 		return
 	}
-	target := req.Dst
-	svc, port := snap.Service(req.Dst)
-	if svc != nil {
-		ep, ok := svc.Pick(req.Dst.Addr(), p.cfg.Node)
-		if !ok {
-			req.Reject()
-			p.newRecord(req.Src, req.Dst, src, nil, "outbound", "service").via(req.Dst, svc).refused(errNoEndpoint)
-			return
-		}
-		target, dst = netip.AddrPortFrom(ep.Addr, port.Target()), ep.Workload
+	svc, target, dst, ok := serviceTarget(snap, req.Dst, dst, p.cfg.Node)
+	if !ok {
+		req.Reject()
+		p.newRecord(req.Src, req.Dst, src, nil, "outbound", "service").via(req.Dst, svc).refused(errNoEndpoint)
+		return
 	}
 	switch {
 	case dst != nil && dst.InMesh && p.cfg.HBONE != nil && dst.Node == p.cfg.Node:
@@ -186,6 +181,23 @@ func (p *Proxy) outboundFrom(snap *registry.Snapshot, req *stack.TCPRequest, src
 	default:
 		p.passthrough(p.newRecord(req.Src, req.Dst, src, dst, "outbound", "passthrough").via(target, svc), req, target, true)
 	}
+}
+
+// serviceTarget resolves an outbound connection to orig (whose workload
+// is dst, or nil): to a service VIP, an endpoint chosen for node (the
+// target address and its workload), or the original destination itself
+// for a PASSTHROUGH service; anything else as it is. ok is false for a
+// service without an endpoint.
+func serviceTarget(snap *registry.Snapshot, orig netip.AddrPort, dst *registry.Workload, node string) (svc *registry.Service, target netip.AddrPort, to *registry.Workload, ok bool) {
+	svc, port := snap.Service(orig)
+	if svc == nil || svc.Passthrough {
+		return svc, orig, dst, true
+	}
+	ep, ok := svc.Pick(orig.Addr(), node)
+	if !ok {
+		return svc, orig, nil, false
+	}
+	return svc, netip.AddrPortFrom(ep.Addr, port.Target()), ep.Workload, true
 }
 
 // passthrough connects to the original destination (or the chosen service

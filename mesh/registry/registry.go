@@ -239,6 +239,10 @@ type Service struct {
 	// node when there are any (Kubernetes' trafficDistribution:
 	// PreferSameNode).
 	PreferSameNode bool
+	// Passthrough: no endpoint is chosen; a connection to the service
+	// goes to its original destination (Istio's load-balancing mode
+	// PASSTHROUGH, e.g. a ServiceEntry with resolution NONE).
+	Passthrough bool
 
 	eps [2]endpointSet // by family: [0] IPv4, [1] IPv6
 }

@@ -199,7 +199,11 @@ func (c *converter) service(in *workloadapi.Service) (*service, error) {
 		s.Ports = append(s.Ports, sp)
 	}
 	if lb := in.LoadBalancing; lb != nil {
+		// PASSTHROUGH: no endpoint selection, the original destination
+		// (ztunnel's behaviour), whatever the routing preference.
+		s.Passthrough = lb.Mode == workloadapi.LoadBalancing_PASSTHROUGH
 		switch {
+		case s.Passthrough:
 		case len(lb.RoutingPreference) == 0:
 		case lb.Mode == workloadapi.LoadBalancing_STRICT:
 			return nil, fmt.Errorf("service %s: load balancing mode STRICT on %v (e.g. internalTrafficPolicy: Local) is not supported; meshtun only prefers same-node endpoints", key, lb.RoutingPreference)

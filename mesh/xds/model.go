@@ -1,6 +1,7 @@
 package xds
 
 import (
+	"slices"
 	"sort"
 
 	"github.com/meshtun/meshtun/mesh/policy"
@@ -89,6 +90,11 @@ func (src *Source) model(st state) (registry.Model, origin) {
 		if !w.InMesh && local && src.enrolled[ref] {
 			c := *w
 			c.InMesh = true
+			w = &c
+		}
+		if ps := src.probes[ref]; local && len(ps) > 0 && !slices.Equal(w.ProbePorts, ps) {
+			c := *w
+			c.ProbePorts = slices.Clone(ps)
 			w = &c
 		}
 		if w.Refused != "" && (!local || !w.InMesh) {

@@ -38,6 +38,7 @@ import (
 	"maps"
 	"net"
 	"net/netip"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -170,8 +171,9 @@ type Source struct {
 	got      map[string]bool // types received at least once (for Start)
 	started  bool            // the first snapshot went to Start
 	status   Status
-	enrolled map[registry.WorkloadRef]bool // see Enroll
-	lost     map[string]string             // resource → its conflict, as last built
+	enrolled map[registry.WorkloadRef]bool     // see Enroll
+	probes   map[registry.WorkloadRef][]uint16 // see ProbePorts
+	lost     map[string]string                 // resource → its conflict, as last built
 }
 
 // New returns a source; Start starts it.
@@ -252,6 +254,32 @@ func (s *Source) Enroll(refs map[registry.WorkloadRef]bool) {
 	if err != nil {
 		// Resolve leaves nothing Build refuses: a bug.
 		s.log.Error().Err(err).Msg("cannot build the mesh model with this node's enrolled pods; keeping the last one")
+		return
+	}
+	s.publish(snap, true)
+}
+
+// ProbePorts sets the health-probe ports of workloads of this node (from
+// their pods, read from the Kubernetes API by the redirector). istiod's
+// workloads carry none, and the kubelet's probes come from the node in
+// plaintext: without them, a STRICT pod's probes would be refused and
+// the pod would never be ready (ztunnel lets the node's own address
+// through for the same reason). ports replaces the previous set; a new
+// snapshot is published if the model has been received. Workloads of
+// other nodes are left as istiod sends them.
+func (s *Source) ProbePorts(ports map[registry.WorkloadRef][]uint16) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if maps.EqualFunc(s.probes, ports, slices.Equal) {
+		return
+	}
+	s.probes = maps.Clone(ports)
+	if !s.received() {
+		return // Start gets the first model, with the ports applied
+	}
+	snap, _, _, err := s.build(s.st)
+	if err != nil {
+		s.log.Error().Err(err).Msg("cannot build the mesh model with this node's probe ports; keeping the last one")
 		return
 	}
 	s.publish(snap, true)

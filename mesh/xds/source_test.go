@@ -14,6 +14,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -427,4 +428,72 @@ func TestEnrollBeforeIstiod(t *testing.T) {
 	}
 	src.Enroll(nil)
 	next(t, src, "a back to plaintext", func(s *registry.Snapshot) bool { return !inMesh(s, "10.0.0.1") })
+}
+
+// TestProbePortsFromPods: the probe ports the redirector reads from the
+// node's pods are in this node's model for its own workloads (istiod
+// sends none), so that the kubelet's probes of a STRICT pod pass; a
+// workload of another node is left as istiod sends it.
+func TestProbePortsFromPods(t *testing.T) {
+	f := newFakeIstiod(t)
+	for name, a := range map[string]*workloadapi.Address{
+		"Kubernetes//Pod/default/a": wl("default", "a", "10.0.0.1", "node1"),
+		"Kubernetes//Pod/default/b": wl("default", "b", "10.0.0.2", "node2"),
+	} {
+		if err := f.addrs.UpdateResource(name, a); err != nil {
+			t.Fatal(err)
+		}
+	}
+	src, snap := newSource(t, f)
+	probes := func(s *registry.Snapshot, ip string) []uint16 { return s.Workload(netip.MustParseAddr(ip)).ProbePorts }
+	if len(probes(snap, "10.0.0.1")) != 0 {
+		t.Fatalf("probe ports before any report: %v", probes(snap, "10.0.0.1"))
+	}
+	src.ProbePorts(map[registry.WorkloadRef][]uint16{{Namespace: "default", Name: "a"}: {8081}, {Namespace: "default", Name: "b"}: {8082}})
+	snap = next(t, src, "a's probe ports", func(s *registry.Snapshot) bool { return len(probes(s, "10.0.0.1")) > 0 })
+	if got := probes(snap, "10.0.0.1"); !slices.Equal(got, []uint16{8081}) {
+		t.Errorf("a probe ports %v, want [8081]", got)
+	}
+	if w := snap.Workload(netip.MustParseAddr("10.0.0.1")); !w.ProbePort(8081) || w.ProbePort(8080) {
+		t.Errorf("a: ProbePort(8081)=%v ProbePort(8080)=%v, want true, false", w.ProbePort(8081), w.ProbePort(8080))
+	}
+	if got := probes(snap, "10.0.0.2"); len(got) != 0 {
+		t.Errorf("b, on node2, has probe ports %v from node1's pods", got)
+	}
+	// A later push from istiod keeps them.
+	if err := f.addrs.UpdateResource("Kubernetes//Pod/default/c", wl("default", "c", "10.0.0.3", "node1")); err != nil {
+		t.Fatal(err)
+	}
+	snap = next(t, src, "c applied", func(s *registry.Snapshot) bool { return s.Workload(netip.MustParseAddr("10.0.0.3")) != nil })
+	if got := probes(snap, "10.0.0.1"); !slices.Equal(got, []uint16{8081}) {
+		t.Errorf("after istiod's push: a probe ports %v, want [8081]", got)
+	}
+	src.ProbePorts(nil)
+	next(t, src, "a's probe ports gone", func(s *registry.Snapshot) bool { return len(probes(s, "10.0.0.1")) == 0 })
+}
+
+// TestServicePassthroughMode: a service istiod sends with load-balancing
+// mode PASSTHROUGH is marked so in the model (the proxy then sends to the
+// original destination instead of refusing "no endpoint"); FAILOVER is
+// not.
+func TestServicePassthroughMode(t *testing.T) {
+	f := newFakeIstiod(t)
+	pt := svc("10.96.0.20")
+	pt.GetService().Name, pt.GetService().Hostname = "ext", "ext.example.com"
+	pt.GetService().LoadBalancing = &workloadapi.LoadBalancing{Mode: workloadapi.LoadBalancing_PASSTHROUGH}
+	for name, a := range map[string]*workloadapi.Address{
+		"default/web.default.svc.cluster.local": svc("10.96.0.10"),
+		"default/ext.example.com":               pt,
+	} {
+		if err := f.addrs.UpdateResource(name, a); err != nil {
+			t.Fatal(err)
+		}
+	}
+	_, snap := newSource(t, f)
+	if s, _ := snap.Service(netip.MustParseAddrPort("10.96.0.20:80")); s == nil || !s.Passthrough {
+		t.Errorf("PASSTHROUGH service: %+v, want Passthrough", s)
+	}
+	if s, _ := snap.Service(netip.MustParseAddrPort("10.96.0.10:80")); s == nil || s.Passthrough {
+		t.Errorf("FAILOVER service: %+v, want not Passthrough", s)
+	}
 }

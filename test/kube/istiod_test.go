@@ -127,7 +127,7 @@ func istiodT(t *testing.T, cp *ControlPlane, trusted ...string) *Istiod {
 // creates on each node, as the DaemonSet would): istiod's CA lets a
 // trusted node account impersonate only the workloads on the node of the
 // pod its token is bound to.
-func istiodFiles(t *testing.T, cp *ControlPlane, dir string, nodes ...*cluster.Node) (root string, tokens []string, kubeconfig string) {
+func istiodFiles(t *testing.T, cp *ControlPlane, dir string, nodes ...*cluster.Node) (root string, tokens, kubeconfigs []string) {
 	t.Helper()
 	ctx := context.Background()
 	deadline := time.Now().Add(time.Minute)
@@ -169,18 +169,23 @@ func istiodFiles(t *testing.T, cp *ControlPlane, dir string, nodes ...*cluster.N
 			t.Fatal(err)
 		}
 		tokens = append(tokens, token)
+		// The API server's own token of the account, for
+		// --redirect-pods: bound to the pod too, as the kubelet mounts
+		// it, so that it names the node (deploy/istio's admission
+		// policy lets the account annotate only that node's pods).
+		apiTok, err := cp.Admin.CoreV1().ServiceAccounts("istio-system").CreateToken(ctx, "ztunnel",
+			&authv1.TokenRequest{Spec: authv1.TokenRequestSpec{ExpirationSeconds: new(int64(3600)),
+				BoundObjectRef: &authv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: pod.Name, UID: pod.UID}}}, metav1.CreateOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		kubeconfig := filepath.Join(dir, "kubeconfig-"+noderun.NodeName(n))
+		if err := os.WriteFile(kubeconfig, cp.Kubeconfig(apiTok.Status.Token), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		kubeconfigs = append(kubeconfigs, kubeconfig)
 	}
-	// The API server's own token of the account, for --redirect-pods.
-	apiTok, err := cp.Admin.CoreV1().ServiceAccounts("istio-system").CreateToken(ctx, "ztunnel",
-		&authv1.TokenRequest{Spec: authv1.TokenRequestSpec{ExpirationSeconds: new(int64(3600))}}, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	kubeconfig = filepath.Join(dir, "kubeconfig")
-	if err := os.WriteFile(kubeconfig, cp.Kubeconfig(apiTok.Status.Token), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	return root, tokens, kubeconfig
+	return root, tokens, kubeconfigs
 }
 
 // istioNodeConfig writes the node settings of deploy/istio's ConfigMap.
@@ -284,7 +289,7 @@ func TestIstiod(t *testing.T) {
 	}
 	cfgPath := istioNodeConfig(t, istioMs, dir)
 	n1, n2, n3 := c.Nodes[0], c.Nodes[1], c.Nodes[2]
-	root, tokens, kubeconfig := istiodFiles(t, cp, dir, n1, n2, n3)
+	root, tokens, kubeconfigs := istiodFiles(t, cp, dir, n1, n2, n3)
 	p11 := n1.Pods[0]
 	p21, p22 := n2.Pods[0], n2.Pods[1]
 	p31, p32 := n3.Pods[0], n3.Pods[1]
@@ -306,7 +311,7 @@ func TestIstiod(t *testing.T) {
 	echo(t, p22, 8080)
 	echo(t, p31, 8080)
 
-	start := func(n *cluster.Node, token string) *noderun.Process {
+	start := func(n *cluster.Node, token, kubeconfig string) *noderun.Process {
 		sctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 		defer cancel()
 		m, err := noderun.Start(sctx, meshtunBin, n, "--config", cfgPath,
@@ -322,7 +327,7 @@ func TestIstiod(t *testing.T) {
 		t.Cleanup(func() { m.Stop(9) })
 		return m
 	}
-	m1, m2 := start(n1, tokens[0]), start(n2, tokens[1])
+	m1, m2 := start(n1, tokens[0], kubeconfigs[0]), start(n2, tokens[1], kubeconfigs[1])
 	t.Cleanup(func() {
 		if t.Failed() {
 			t.Logf("node 1 log:\n%s\nnode 2 log:\n%s", m1.Logs(), m2.Logs())

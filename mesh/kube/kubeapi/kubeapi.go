@@ -113,9 +113,12 @@ func (c *Client) ListWatch(resource string, tweak func(*metav1.ListOptions)) cac
 	}
 }
 
-// PatchPod patches a pod.
-func (c *Client) PatchPod(ctx context.Context, namespace, name string, pt types.PatchType, data []byte) error {
-	return c.core.Patch(pt).Namespace(namespace).Resource("pods").Name(name).
+// PatchPodStatus patches a pod through its status subresource: the API
+// server keeps changes to the status and the metadata (labels,
+// annotations) and drops those to the spec. RBAC grants it as
+// pods/status, which cannot change what a pod runs.
+func (c *Client) PatchPodStatus(ctx context.Context, namespace, name string, pt types.PatchType, data []byte) error {
+	return c.core.Patch(pt).Namespace(namespace).Resource("pods").Name(name).SubResource("status").
 		VersionedParams(&metav1.PatchOptions{}, metav1.ParameterCodec).Body(data).Do(ctx).Error()
 }
 

@@ -72,7 +72,7 @@ func TestRequests(t *testing.T) {
 		"GET /api/v1/namespaces/ns/pods/a": pod,
 		"GET /api/v1/pods": corev1.PodList{TypeMeta: metav1.TypeMeta{Kind: "PodList", APIVersion: "v1"},
 			Items: []corev1.Pod{pod}},
-		"PATCH /api/v1/namespaces/ns/pods/a": pod,
+		"PATCH /api/v1/namespaces/ns/pods/a/status": pod,
 		"POST /apis/authentication.k8s.io/v1/tokenreviews": authv1.TokenReview{
 			TypeMeta: metav1.TypeMeta{Kind: "TokenReview", APIVersion: "authentication.k8s.io/v1"},
 			Status:   authv1.TokenReviewStatus{Authenticated: true, User: authv1.UserInfo{Username: "system:serviceaccount:x:y"}}},
@@ -92,8 +92,8 @@ func TestRequests(t *testing.T) {
 	if err != nil || len(l.Items) != 1 || l.Items[0].Name != "a" {
 		t.Errorf("ListPods = %+v, %v", l, err)
 	}
-	if err := c.PatchPod(ctx, "ns", "a", types.MergePatchType, []byte(`{"metadata":{}}`)); err != nil {
-		t.Errorf("PatchPod: %v", err)
+	if err := c.PatchPodStatus(ctx, "ns", "a", types.MergePatchType, []byte(`{"metadata":{}}`)); err != nil {
+		t.Errorf("PatchPodStatus: %v", err)
 	}
 	tr, err := c.CreateTokenReview(ctx, &authv1.TokenReview{Spec: authv1.TokenReviewSpec{Token: "tok", Audiences: []string{"aud"}}})
 	if err != nil || !tr.Status.Authenticated || tr.Status.User.Username != "system:serviceaccount:x:y" {
@@ -123,7 +123,7 @@ func TestRequests(t *testing.T) {
 	want := []request{
 		{method: "GET", path: "/api/v1/namespaces/ns/pods/a"},
 		{method: "GET", path: "/api/v1/pods", query: "fieldSelector=spec.nodeName%3Dn1"},
-		{method: "PATCH", path: "/api/v1/namespaces/ns/pods/a", contentType: "application/merge-patch+json", body: `{"metadata":{}}`},
+		{method: "PATCH", path: "/api/v1/namespaces/ns/pods/a/status", contentType: "application/merge-patch+json", body: `{"metadata":{}}`},
 		{method: "POST", path: "/apis/authentication.k8s.io/v1/tokenreviews", contentType: "application/json"},
 		{method: "GET", path: "/apis/security.istio.io/v1"},
 		{method: "GET", path: "/apis/nothere.example/v1"},
