@@ -164,6 +164,7 @@ func runNode(ctx context.Context, args []string) error {
 		HBONEOnNetstack:  hboneNetstack,
 		AckDelay:         ackDelay,
 		AdminAddr:        nc.Listen.Admin,
+		AdminSocket:      nc.Listen.AdminSocket,
 		ConfigDumpFormat: nc.Listen.AdminFormat,
 		MetricsAddr:      nc.Listen.Metrics,
 		ReadinessAddr:    nc.Listen.Readiness,
