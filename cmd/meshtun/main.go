@@ -23,6 +23,7 @@ commands:
   node      run the node proxy in the current network namespace
             (node --uninstall: remove meshtun's rules from it)
   ca        the certificate service and its operator commands (see docs/identity.md)
+  admin     call the node's admin socket (root): log levels, pprof
   bench     measure meshtun's data paths side by side (root; see -h)
   version   print the version
 
@@ -47,6 +48,8 @@ func main() {
 		err = runDemo(ctx, args)
 	case "bench":
 		err = runBench(ctx, args)
+	case "admin":
+		err = runAdmin(ctx, args, os.Stdout)
 	case "version":
 		fmt.Println(version())
 	case "-h", "-help", "--help", "help":
