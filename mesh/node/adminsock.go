@@ -46,7 +46,8 @@ func listenAdminSocket(path string, log zerolog.Logger) (*peerCheckListener, err
 		}
 		log.Warn().Str("dir", dir).Str("was", fi.Mode().Perm().String()).Msg("admin socket directory was writable by others; set to 0700")
 	}
-	tmp := fmt.Sprintf("%s.%d.tmp", path, os.Getpid())
+	// A short name beside it: a Unix socket path has at most 107 bytes.
+	tmp := filepath.Join(dir, fmt.Sprintf(".s%d", os.Getpid()))
 	if err := os.Remove(tmp); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return nil, fmt.Errorf("admin socket %s: remove stale %s: %w", path, tmp, err)
 	}

@@ -90,9 +90,14 @@ type Mesh struct {
 }
 
 // AdminSocket is the admin socket (POST /logging, /debug/pprof/) of node n
-// in the config WriteConfig writes to dir.
+// in the config WriteConfig writes to dir; empty (none) if its path would
+// be longer than a Unix socket's 107 bytes.
 func AdminSocket(dir string, n *cluster.Node) string {
-	return filepath.Join(dir, "admin", NodeName(n)+".sock")
+	p := filepath.Join(dir, "admin", NodeName(n)+".sock")
+	if len(p) > 107 {
+		return ""
+	}
+	return p
 }
 
 // WriteConfig writes the config file of cluster c and mesh m to
