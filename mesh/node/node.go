@@ -89,8 +89,9 @@ type Config struct {
 	// acknowledgment (stack.Config.AckDelay); 0 writes every ACK at once.
 	// The binary's default is DefaultAckDelay.
 	AckDelay time.Duration
-	// AdminAddr is where the admin HTTP server listens (/config_dump,
-	// /logging, /debug/pprof/); empty disables it. Keep it on loopback.
+	// AdminAddr is where the read-only admin HTTP server listens
+	// (/config_dump, GET /logging); empty disables it. Keep it on
+	// loopback. The rest is on AdminSocket.
 	AdminAddr string
 	// AdminSocket is the path of the admin Unix socket (root only), which
 	// serves the endpoints that change the node or profile it; empty
