@@ -103,8 +103,7 @@ func (k *KubeMode) Authenticate(ctx context.Context) (Caller, error) {
 	if len(token) > maxTokenLen {
 		return Caller{}, fmt.Errorf("bearer token of %d bytes; at most %d", len(token), maxTokenLen)
 	}
-	k.cacheOnce.Do(func() { k.cache = newReviewCache(k.ReviewTTL, k.ReviewCacheSize) })
-	r, err := k.cache.review(ctx, k.Reviewer, token, []string{k.Audience})
+	r, err := k.reviews().review(ctx, k.Reviewer, token, []string{k.Audience})
 	if err != nil {
 		return Caller{}, fmt.Errorf("token review failed: %v", err)
 	}
@@ -141,6 +140,12 @@ func (k *KubeMode) Authenticate(ctx context.Context) (Caller, error) {
 		return Caller{}, fmt.Errorf("%s: token names node %s, but pod %s/%s is on node %s", who, n, ns, podName, pod.Node)
 	}
 	return Caller{Node: pod.Node, Who: fmt.Sprintf("%s (pod %s/%s)", who, ns, podName)}, nil
+}
+
+// reviews returns the TokenReview cache, made on first use.
+func (k *KubeMode) reviews() *reviewCache {
+	k.cacheOnce.Do(func() { k.cache = newReviewCache(k.ReviewTTL, k.ReviewCacheSize) })
+	return k.cache
 }
 
 func first(s []string) string {

@@ -330,8 +330,9 @@ func TestTokenReviewsAreCached(t *testing.T) {
 		wg.Add(1)
 		go func() { defer wg.Done(); k2.Authenticate(bearer("good2")) }()
 	}
-	waitFor(t, "the first review", func() bool { return rv2.n.Load() >= 1 })
-	time.Sleep(50 * time.Millisecond) // let the others queue behind it (a bound, not a synchronisation: the count is checked after)
+	waitFor(t, "9 requests waiting for the first one's review, or 10 reviews", func() bool {
+		return rv2.n.Load() >= 10 || k2.reviews().waiting.Load() == 9
+	})
 	close(rv2.gate)
 	wg.Wait()
 	if n := rv2.n.Load(); n != 1 {

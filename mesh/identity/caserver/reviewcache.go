@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -31,6 +32,8 @@ type reviewCache struct {
 
 	mu sync.Mutex
 	m  map[[32]byte]*reviewEntry
+
+	waiting atomic.Int32 // requests waiting for another's review (tests)
 }
 
 type reviewEntry struct {
@@ -64,6 +67,8 @@ func (c *reviewCache) review(ctx context.Context, rv TokenReviewer, token string
 		default:
 			// A review of this token is under way: share its result.
 			c.mu.Unlock()
+			c.waiting.Add(1)
+			defer c.waiting.Add(-1)
 			select {
 			case <-e.done:
 				return e.r, e.err
