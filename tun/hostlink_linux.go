@@ -83,3 +83,11 @@ func ipNetPrefix(n *net.IPNet) (netip.Prefix, bool) {
 	ones, _ := n.Mask.Size()
 	return netip.PrefixFrom(a.Unmap(), ones).Masked(), true
 }
+
+// RoutedLink says whether the node has a link of that name that it
+// routes a pod's traffic from: not a bridge, nor a bridge's port (a
+// bridge CNI's pods reach each other through the bridge, unrouted).
+func RoutedLink(name string) bool {
+	l, err := netlink.LinkByName(name)
+	return err == nil && l.Type() != "bridge" && l.Attrs().MasterIndex == 0
+}

@@ -67,3 +67,26 @@ func TestHostLinks(t *testing.T) {
 		t.Errorf("%s is reached through a gateway, yet has host link %+v", remote, hl)
 	}
 }
+
+// TestRoutedLink accepts a pod's veth and refuses a bridge, a bridge's
+// port and a missing link: a link the CNI gate names is captured by iif
+// only if the node routes the pod's traffic from it.
+func TestRoutedLink(t *testing.T) {
+	inNewNetns(t)
+	veth := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "vethpod1"}, PeerName: "vethpod1p"}
+	port := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "vethport"}, PeerName: "vethportp"}
+	br := &netlink.Bridge{LinkAttrs: netlink.LinkAttrs{Name: "cni0"}}
+	for _, l := range []netlink.Link{veth, port, br} {
+		if err := netlink.LinkAdd(l); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := netlink.LinkSetMaster(port, br); err != nil {
+		t.Fatal(err)
+	}
+	for name, want := range map[string]bool{"vethpod1": true, "cni0": false, "vethport": false, "nosuch0": false} {
+		if got := RoutedLink(name); got != want {
+			t.Errorf("RoutedLink(%q) = %v, want %v", name, got, want)
+		}
+	}
+}

@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net/netip"
 	"strings"
 	"sync"
 
@@ -24,7 +25,7 @@ import (
 // startKube connects to the API server (in-cluster, or kubeconfig if
 // set), waits for the informers and returns the first mesh model and the
 // source that follows the API server from then on.
-func startKube(ctx context.Context, kubeconfig, nodeName string, c *config.Config, log zerolog.Logger) (*registry.Snapshot, *kube.Source, error) {
+func startKube(ctx context.Context, kubeconfig, nodeName string, c *config.Config, announced func(ns, name, uid string) []netip.Addr, log zerolog.Logger) (*registry.Snapshot, *kube.Source, error) {
 	klogToZerolog(log)
 	rc, err := restConfig(kubeconfig, nodeName)
 	if err != nil {
@@ -44,7 +45,7 @@ func startKube(ctx context.Context, kubeconfig, nodeName string, c *config.Confi
 	src := kube.New(kube.Config{
 		Client: cs, Dynamic: dyn, Node: nodeName,
 		TrustDomain: c.TrustDomainID(), RootNamespace: c.RootNamespace, DomainSuffix: c.ClusterDomain,
-		PeerAuth: c.DefaultPeerAuth(), Policies: c.Policies(), Logger: log,
+		PeerAuth: c.DefaultPeerAuth(), Policies: c.Policies(), Announced: announced, Logger: log,
 	})
 	log.Info().Str("server", rc.Host).Str("node", nodeName).Msg("kubernetes: connecting")
 	snap, err := src.Start(ctx)

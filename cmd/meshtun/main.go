@@ -22,6 +22,7 @@ const usage = `usage: meshtun <command> [flags]
 commands:
   node      run the node proxy in the current network namespace
             (node --uninstall: remove meshtun's rules from it)
+  cni       the CNI startup gate's operator commands (cni uninstall)
   ca        the certificate service and its operator commands (see docs/identity.md)
   admin     call the node's admin socket (root): log levels, pprof
   bench     measure meshtun's data paths side by side (root; see -h)
@@ -44,6 +45,8 @@ func main() {
 		err = runNode(ctx, args)
 	case "ca":
 		err = runCA(ctx, args)
+	case "cni":
+		err = runCNI(ctx, args)
 	case "demo":
 		err = runDemo(ctx, args)
 	case "bench":

@@ -14,9 +14,11 @@ import (
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 
 	"github.com/meshtun/meshtun/mesh/config"
+	"github.com/meshtun/meshtun/mesh/gate"
 	"github.com/meshtun/meshtun/mesh/identity"
 	"github.com/meshtun/meshtun/mesh/node"
 	"github.com/meshtun/meshtun/mesh/registry"
+	"github.com/meshtun/meshtun/protocols/hbone"
 	"github.com/meshtun/meshtun/tun"
 )
 
@@ -31,10 +33,14 @@ func runNode(ctx context.Context, args []string) error {
 		hboneNetstack        bool
 		drain                time.Duration
 		ackDelay             time.Duration
+		hsTimeout            time.Duration
+		maxHS, maxHSSource   int
+		maxPeerConns         int
 		procs                int
 		useKube              bool
 		kubeconfig           string
 		xf                   xdsFlags
+		cf                   cniFlags
 	)
 	fs.StringVar(&path, "config", "/etc/meshtun/mesh.yaml", "the mesh config `file` (see docs/config.md)")
 	fs.StringVar(&name, "node", os.Getenv("NODE_NAME"), "this node's `name` (default $NODE_NAME): its entry in the config file, and with --kubernetes the spec.nodeName of its pods")
@@ -45,15 +51,23 @@ func runNode(ctx context.Context, args []string) error {
 	fs.StringVar(&caTokenFile, "ca-token-file", defaultCATokenFile, "with --kubernetes: `file` of the projected service-account token (audience meshtun-ca) sent to `meshtun ca` as the node's credential, re-read for every request (the kubelet rotates it); empty: use --credentials")
 	fs.StringVar(&caRoots, "ca-roots", defaultCARoots, "with --kubernetes and --ca-token-file: PEM `file` of the CA roots that verify `meshtun ca` (the meshtun-ca-root ConfigMap)")
 	xf.register(fs)
+	cf.register(fs)
 	fs.BoolVar(&noIntercept, "no-intercept", false, "intercept nothing: every packet goes through the TUN verbatim (for measuring the TUN path alone)")
 	fs.BoolVar(&uninstall, "uninstall", false, "remove meshtun from this network namespace (its rules and blocking routes, which a stopped proxy leaves so that captured traffic stays blocked) and exit; refused while a proxy runs")
 	fs.BoolVar(&hboneNetstack, "hbone-netstack", false, "terminate inbound HBONE on the netstack through the TUN, not on a kernel socket (the fallback when the kernel cannot; for comparisons)")
+	fs.DurationVar(&hsTimeout, "hbone-handshake-timeout", hbone.DefaultHandshakeTimeout, "inbound HBONE: the `duration` a client has for its TLS handshake and HTTP/2 preface")
+	fs.IntVar(&maxHS, "hbone-max-handshakes", hbone.DefaultMaxHandshakes, "inbound HBONE: the `number` of TLS handshakes pending at once, from all sources (beyond: reset; a source holding fewer takes the slot of one holding the most)")
+	fs.IntVar(&maxHSSource, "hbone-max-handshakes-per-source", hbone.DefaultMaxHandshakesPerSource, "inbound HBONE: the `number` of TLS handshakes pending at once from one source address")
+	fs.IntVar(&maxPeerConns, "hbone-max-conns-per-peer", hbone.DefaultMaxConnsPerPeer, "inbound HBONE: the `number` of connections one peer identity (SPIFFE ID) may hold")
 	fs.DurationVar(&ackDelay, "ack-delay", node.DefaultAckDelay, "on connections whose both ends are in the netstack (passthrough, same-node), hold the netstack's pure ACKs back for up to this `duration`, so that a reply sent within it carries the acknowledgment (0: every ACK at once)")
 	fs.DurationVar(&drain, "drain-period", node.DefaultDrainPeriod, "on SIGTERM, how long open connections may take to finish")
 	fs.StringVar(&logLevel, "log-level", "info", "log `level`: trace, debug, info, warn, error")
 	fs.IntVar(&procs, "procs", 0, "`threads` running Go code at once (GOMAXPROCS); 0: half the CPUs the process may use, at least 1 (the GOMAXPROCS environment variable, if set, wins)")
 	if err := fs.Parse(args); err != nil {
 		return err
+	}
+	if hsTimeout <= 0 || maxHS <= 0 || maxHSSource <= 0 || maxPeerConns <= 0 {
+		return fmt.Errorf("-hbone-handshake-timeout %s, -hbone-max-handshakes %d, -hbone-max-handshakes-per-source %d, -hbone-max-conns-per-peer %d: each must be positive", hsTimeout, maxHS, maxHSSource, maxPeerConns)
 	}
 	if ackDelay < 0 || ackDelay > 100*time.Millisecond {
 		return fmt.Errorf("-ack-delay %s: want 0 (off) up to 100ms", ackDelay)
@@ -96,6 +110,9 @@ func runNode(ctx context.Context, args []string) error {
 	if useXDS && useKube {
 		return errors.New("--xds-address and --kubernetes are two sources of the mesh model: pick one")
 	}
+	if cf.enabled && !useKube {
+		return errors.New("--cni needs --kubernetes: the startup gate decides enrolment from the API server")
+	}
 	var nc *config.NodeConfig
 	if useKube || useXDS {
 		nc, err = c.NodeOrDefault(name)
@@ -111,6 +128,8 @@ func runNode(ctx context.Context, args []string) error {
 		updates  <-chan *registry.Snapshot
 		status   func() any
 		captured func([]registry.WorkloadRef)
+		cniGate  *gate.Gate
+		cniPods  *gatePods
 	)
 	if useKube {
 		// The file's capture links (rarely any) carry no pod sources here;
@@ -118,7 +137,10 @@ func runNode(ctx context.Context, args []string) error {
 		for _, l := range nc.CaptureLinks {
 			links = append(links, tun.CaptureLink{Name: l})
 		}
-		snap, src, err := startKube(ctx, kubeconfig, name, c, log)
+		if cf.enabled {
+			cniGate, cniPods = cf.newGate(name, log)
+		}
+		snap, src, err := startKube(ctx, kubeconfig, name, c, announcedFunc(cniGate), log)
 		if err != nil {
 			if errors.Is(err, context.Canceled) {
 				return nil
@@ -127,6 +149,12 @@ func runNode(ctx context.Context, args []string) error {
 		}
 		mesh, updates = snap, src.Updates()
 		status = func() any { return src.Status() }
+		if cniGate != nil {
+			cniPods.Pods = src
+			if err := cf.startGate(ctx, cniGate, log); err != nil {
+				return err
+			}
+		}
 	} else if useXDS {
 		// As with --kubernetes: the pods' links are found from their routes.
 		for _, l := range nc.CaptureLinks {
@@ -153,29 +181,42 @@ func runNode(ctx context.Context, args []string) error {
 		}
 	}
 	ncfg := node.Config{
-		Name:             nc.Name,
-		TUN:              tun.Config{Name: nc.TUN.Name, MTU: nc.TUN.MTU, TxQueueLen: nc.TUN.TxQueueLen},
-		CaptureLinks:     links,
-		Mesh:             mesh,
-		CA:               identity.CAConfig{Dir: c.CA.Dir, SVIDTTL: c.CA.SVIDTTL},
-		ConfigPath:       c.Path,
-		ConfigSum:        c.Sum(),
-		NoIntercept:      noIntercept,
-		HBONEOnNetstack:  hboneNetstack,
-		AckDelay:         ackDelay,
-		AdminAddr:        nc.Listen.Admin,
-		AdminSocket:      nc.Listen.AdminSocket,
-		ConfigDumpFormat: nc.Listen.AdminFormat,
-		MetricsAddr:      nc.Listen.Metrics,
-		ReadinessAddr:    nc.Listen.Readiness,
-		DrainPeriod:      drain,
-		Logger:           log,
+		Name:            nc.Name,
+		TUN:             tun.Config{Name: nc.TUN.Name, MTU: nc.TUN.MTU, TxQueueLen: nc.TUN.TxQueueLen},
+		CaptureLinks:    links,
+		Mesh:            mesh,
+		CA:              identity.CAConfig{Dir: c.CA.Dir, SVIDTTL: c.CA.SVIDTTL},
+		ConfigPath:      c.Path,
+		ConfigSum:       c.Sum(),
+		NoIntercept:     noIntercept,
+		HBONEOnNetstack: hboneNetstack,
+		AckDelay:        ackDelay,
+
+		HBONEHandshakeTimeout:       hsTimeout,
+		HBONEMaxHandshakes:          maxHS,
+		HBONEMaxHandshakesPerSource: maxHSSource,
+		HBONEMaxConnsPerPeer:        maxPeerConns,
+		AdminAddr:                   nc.Listen.Admin,
+		AdminSocket:                 nc.Listen.AdminSocket,
+		ConfigDumpFormat:            nc.Listen.AdminFormat,
+		MetricsAddr:                 nc.Listen.Metrics,
+		ReadinessAddr:               nc.Listen.Readiness,
+		DrainPeriod:                 drain,
+		Logger:                      log,
 	}
 	if useKube || useXDS {
 		// Node settings apply at start; the model follows the API server
 		// (or istiod).
 		ncfg.ConfigPath = ""
 		ncfg.Updates, ncfg.CaptureByRoute, ncfg.Status, ncfg.Captured = updates, true, status, captured
+	}
+	if cniGate != nil {
+		ncfg.CapturedWorkloads, ncfg.LinkHint = cniGate.Captured, cniGate.LinkHint
+		ncfg.WhileReady = func(ctx context.Context) {
+			if err := cniGate.Serve(ctx); err != nil {
+				log.Error().Err(err).Msg("CNI startup gate: pods of the mesh cannot start on this node")
+			}
+		}
 	}
 	switch {
 	case spireSocket != "":

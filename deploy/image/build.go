@@ -20,8 +20,13 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/types"
 )
 
-// BinaryPath is where the image holds the meshtun binary.
-const BinaryPath = "/usr/local/bin/meshtun"
+// BinaryPath is where the image holds the meshtun binary, PluginPath the
+// startup gate's CNI plugin, which `meshtun node --cni` copies into the
+// node's CNI bin directory (docs/kubernetes.md, "The startup gate").
+const (
+	BinaryPath = "/usr/local/bin/meshtun"
+	PluginPath = "/usr/local/bin/meshtun-cni"
+)
 
 // Label keys of the OCI image spec's pre-defined annotations, set as image
 // config labels (what `docker inspect` and registries show).
@@ -101,7 +106,17 @@ const buildTags = "grpcnotrace"
 // runs on an empty base), -trimpath (no build paths), no build ID, and the
 // VCS stamp when the checkout has one (`meshtun version` prints it).
 func BuildBinary(ctx context.Context, repo, out string, p Platform) error {
-	args := []string{"build", "-tags", buildTags, "-trimpath", "-buildvcs=auto", "-ldflags=-s -w -buildid=", "-o", out, "./cmd/meshtun"}
+	return buildCommand(ctx, repo, out, "./cmd/meshtun", p)
+}
+
+// BuildPlugin builds the CNI plugin (cmd/meshtun-cni) as BuildBinary
+// builds meshtun.
+func BuildPlugin(ctx context.Context, repo, out string, p Platform) error {
+	return buildCommand(ctx, repo, out, "./cmd/meshtun-cni", p)
+}
+
+func buildCommand(ctx context.Context, repo, out, pkg string, p Platform) error {
+	args := []string{"build", "-tags", buildTags, "-trimpath", "-buildvcs=auto", "-ldflags=-s -w -buildid=", "-o", out, pkg}
 	cmd := exec.CommandContext(ctx, goCommand(), args...)
 	cmd.Dir = repo
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOOS="+p.OS, "GOARCH="+p.Arch)
@@ -111,7 +126,7 @@ func BuildBinary(ctx context.Context, repo, out string, p Platform) error {
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
 	if err := cmd.Run(); err != nil {
-		return fmt.Errorf("go build meshtun for %s in %s: %w\n%s", p, repo, err, stderr.Bytes())
+		return fmt.Errorf("go build %s for %s in %s: %w\n%s", pkg, p, repo, err, stderr.Bytes())
 	}
 	return nil
 }
@@ -123,10 +138,10 @@ func goCommand() string {
 	return "go"
 }
 
-// Layer returns the image's one layer: the binary at BinaryPath, owned by
-// root, mode 0755 (any user may run it), with its parent directories, every
-// entry stamped with created.
-func Layer(binary []byte, created time.Time) (v1.Layer, error) {
+// Layer returns the image's one layer: the binary at BinaryPath and the
+// plugin at PluginPath, owned by root, mode 0755 (any user may run them),
+// with their parent directories, every entry stamped with created.
+func Layer(binary, plugin []byte, created time.Time) (v1.Layer, error) {
 	var buf bytes.Buffer
 	tw := tar.NewWriter(&buf)
 	mtime := created.UTC().Truncate(time.Second)
@@ -140,14 +155,19 @@ func Layer(binary []byte, created time.Time) (v1.Layer, error) {
 			return nil, err
 		}
 	}
-	if err := tw.WriteHeader(&tar.Header{
-		Typeflag: tar.TypeReg, Name: strings.TrimPrefix(BinaryPath, "/"), Mode: 0o755,
-		Size: int64(len(binary)), ModTime: mtime, Format: tar.FormatPAX,
-	}); err != nil {
-		return nil, err
-	}
-	if _, err := tw.Write(binary); err != nil {
-		return nil, err
+	for _, f := range []struct {
+		path string
+		data []byte
+	}{{BinaryPath, binary}, {PluginPath, plugin}} {
+		if err := tw.WriteHeader(&tar.Header{
+			Typeflag: tar.TypeReg, Name: strings.TrimPrefix(f.path, "/"), Mode: 0o755,
+			Size: int64(len(f.data)), ModTime: mtime, Format: tar.FormatPAX,
+		}); err != nil {
+			return nil, err
+		}
+		if _, err := tw.Write(f.data); err != nil {
+			return nil, err
+		}
 	}
 	if err := tw.Close(); err != nil {
 		return nil, err
@@ -168,8 +188,8 @@ func Layer(binary []byte, created time.Time) (v1.Layer, error) {
 // binary is world-executable and meshtun writes nothing to the root
 // filesystem, so a read-only root and any runAsUser work for what needs no
 // capability (`meshtun version`, `meshtun ca`).
-func Image(binary []byte, p Platform, m Meta) (v1.Image, error) {
-	layer, err := Layer(binary, m.Created)
+func Image(binary, plugin []byte, p Platform, m Meta) (v1.Image, error) {
+	layer, err := Layer(binary, plugin, m.Created)
 	if err != nil {
 		return nil, fmt.Errorf("layer: %w", err)
 	}

@@ -231,13 +231,13 @@ func TestArchive(t *testing.T) {
 		if h.Uid != 0 || h.Gid != 0 {
 			t.Errorf("layer %s: owner %d:%d, want 0:0", h.Name, h.Uid, h.Gid)
 		}
-		if h.Name == strings.TrimPrefix(BinaryPath, "/") {
+		if h.Name == strings.TrimPrefix(BinaryPath, "/") || h.Name == strings.TrimPrefix(PluginPath, "/") {
 			if h.Typeflag != tar.TypeReg || h.FileInfo().Mode().Perm() != 0o755 {
 				t.Errorf("layer %s: type %q mode %v, want a regular file 0755", h.Name, h.Typeflag, h.FileInfo().Mode())
 			}
 		}
 	}
-	if want := []string{"usr/", "usr/local/", "usr/local/bin/", "usr/local/bin/meshtun"}; !slices.Equal(names, want) {
+	if want := []string{"usr/", "usr/local/", "usr/local/bin/", "usr/local/bin/meshtun", "usr/local/bin/meshtun-cni"}; !slices.Equal(names, want) {
 		t.Errorf("layer holds %q, want %q", names, want)
 	}
 	if bin == nil {

@@ -70,7 +70,15 @@ func Build(ctx context.Context, log zerolog.Logger, o Options) (map[Platform]v1.
 		if err != nil {
 			return nil, meta, err
 		}
-		img, err := Image(b, p, meta)
+		plugin := filepath.Join(filepath.Dir(bin), "meshtun-cni")
+		if err := BuildPlugin(ctx, o.Repo, plugin, p); err != nil {
+			return nil, meta, err
+		}
+		pb, err := os.ReadFile(plugin)
+		if err != nil {
+			return nil, meta, err
+		}
+		img, err := Image(b, pb, p, meta)
 		if err != nil {
 			return nil, meta, fmt.Errorf("image for %s: %w", p, err)
 		}

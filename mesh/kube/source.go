@@ -84,7 +84,12 @@ type Config struct {
 	Policies []*policy.Policy
 	// Resync is the informers' resync period; 0 means none.
 	Resync time.Duration
-	Logger zerolog.Logger
+	// Announced, if set, returns the addresses the CNI startup gate
+	// announced for a pod of this node whose sandbox it is creating
+	// (gate.Gate.Announced): such a pod is a workload with them, running
+	// or pending, before the API server shows its IPs.
+	Announced func(namespace, name, uid string) []netip.Addr
+	Logger    zerolog.Logger
 }
 
 // Source watches the API server and builds snapshots of the mesh.
@@ -344,7 +349,11 @@ func (s *Source) model() (registry.Model, []PodStatus, error) {
 	byPod := map[registry.WorkloadRef]*registry.Workload{}
 	for _, p := range pods {
 		key := p.Namespace + "/" + p.Name
-		w, reason := s.workload(p, enrolled, owner, pa)
+		var announced []netip.Addr
+		if s.cfg.Announced != nil && p.Spec.NodeName == s.cfg.Node && !p.Spec.HostNetwork {
+			announced = s.cfg.Announced(p.Namespace, p.Name, string(p.UID))
+		}
+		w, reason := s.workload(p, enrolled, owner, pa, announced)
 		if p.Spec.NodeName == s.cfg.Node && !p.Spec.HostNetwork {
 			ps := PodStatus{Pod: key, Mesh: w != nil && w.InMesh, Reason: reason}
 			if w != nil && !w.InMesh {
@@ -393,11 +402,15 @@ func notInMeshReason(p *corev1.Pod, nsEnrolled bool) string {
 	return "not enrolled"
 }
 
-// workload returns the workload of pod p, or nil and why not.
-func (s *Source) workload(p *corev1.Pod, enrolled map[string]bool, owner map[netip.Addr]string, pa *peerAuthIndex) (*registry.Workload, string) {
+// workload returns the workload of pod p, or nil and why not. announced
+// are the addresses the CNI startup gate announced for it: with them a
+// pending pod is a workload too (its init containers run captured), with
+// them as its addresses while its status has none.
+func (s *Source) workload(p *corev1.Pod, enrolled map[string]bool, owner map[netip.Addr]string, pa *peerAuthIndex, announced []netip.Addr) (*registry.Workload, string) {
 	switch {
 	case p.Spec.HostNetwork:
 		return nil, "hostNetwork"
+	case p.Status.Phase == corev1.PodPending && len(announced) > 0:
 	case p.Status.Phase != corev1.PodRunning:
 		return nil, "phase " + string(p.Status.Phase)
 	}
@@ -410,6 +423,11 @@ func (s *Source) workload(p *corev1.Pod, enrolled map[string]bool, owner map[net
 	ips := p.Status.PodIPs
 	if len(ips) == 0 && p.Status.PodIP != "" {
 		ips = []corev1.PodIP{{IP: p.Status.PodIP}}
+	}
+	if len(ips) == 0 {
+		for _, a := range announced {
+			ips = append(ips, corev1.PodIP{IP: a.String()})
+		}
 	}
 	for _, ip := range ips {
 		a, err := netip.ParseAddr(ip.IP)

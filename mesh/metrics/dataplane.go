@@ -45,6 +45,12 @@ type DataPlaneStats struct {
 	// socket: "kernel" (delivered locally by the node's routing) or
 	// "netstack" (captured through the TUN).
 	HBONEInbound map[string]uint64
+	// HBONERefused counts the inbound HBONE connections refused before
+	// any request, by reason (hbone.Refused*: a bound, a failed or timed
+	// out handshake, the wrong address); HBONEHandshakes is the number
+	// of handshakes pending now.
+	HBONERefused    map[string]uint64
+	HBONEHandshakes int
 
 	// CertExpiry is the expiry of each local identity's certificate.
 	CertExpiry map[string]time.Time
@@ -83,6 +89,8 @@ var (
 	descPoolStrms = prometheus.NewDesc("meshtun_hbone_pool_streams", "Outbound HBONE streams open.", nil, nil)
 	descSrvConns  = prometheus.NewDesc("meshtun_hbone_server_connections", "Inbound HBONE connections being served.", nil, nil)
 	descInbound   = prometheus.NewDesc("meshtun_hbone_inbound_connections_total", "Inbound HBONE connections accepted, by the socket that terminated them (kernel, netstack).", []string{"socket"}, nil)
+	descRefused   = prometheus.NewDesc("meshtun_hbone_connections_refused_total", "Inbound HBONE connections refused before any request, by reason: handshake_limit, source_limit and evicted (the bounds on pending handshakes), peer_limit (the bound on one identity's connections), handshake_timeout, handshake_failed, no_h2, no_identity, not_local (not a local mesh workload's port 15008).", []string{"reason"}, nil)
+	descPending   = prometheus.NewDesc("meshtun_hbone_handshakes_pending", "Inbound HBONE connections whose TLS handshake is pending.", nil, nil)
 	descExpiry    = prometheus.NewDesc("meshtun_certificate_expiry_seconds", "Expiry of each local identity's certificate, in Unix seconds.", []string{"identity"}, nil)
 	descRenewals  = prometheus.NewDesc("meshtun_certificate_renewals_total", "Certificate renewals that succeeded.", nil, nil)
 	descRenewFail = prometheus.NewDesc("meshtun_certificate_renewal_failures_total", "Certificate renewal attempts that failed (certificate service unreachable or refusing).", nil, nil)
@@ -92,7 +100,7 @@ var (
 
 func (d *dataPlane) Describe(ch chan<- *prometheus.Desc) {
 	for _, desc := range []*prometheus.Desc{descPackets, descBytes, descDrops, descPktDrops, descOutbound, descFlows, descInserted, descExpired,
-		descHalfOpen, descUnknown, descRetrans, descFwdDrops, descAcksHeld, descWriteErrs, descUDPGSO, descPoolConns, descPoolStrms, descSrvConns, descInbound, descExpiry,
+		descHalfOpen, descUnknown, descRetrans, descFwdDrops, descAcksHeld, descWriteErrs, descUDPGSO, descPoolConns, descPoolStrms, descSrvConns, descInbound, descRefused, descPending, descExpiry,
 		descRenewals, descRenewFail, descFailing, descValid} {
 		ch <- desc
 	}
@@ -136,6 +144,10 @@ func (d *dataPlane) Collect(ch chan<- prometheus.Metric) {
 	for socket, n := range s.HBONEInbound {
 		counter(descInbound, n, socket)
 	}
+	for reason, n := range s.HBONERefused {
+		counter(descRefused, n, reason)
+	}
+	gauge(descPending, float64(s.HBONEHandshakes))
 	for id, t := range s.CertExpiry {
 		gauge(descExpiry, float64(t.Unix()), id)
 	}

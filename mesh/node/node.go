@@ -77,6 +77,19 @@ type Config struct {
 	// source, a pod is annotated for redirection only once it is
 	// (kube.Redirector.Captured).
 	Captured func([]registry.WorkloadRef)
+	// CapturedWorkloads, if set, is told the same as Captured, with the
+	// workloads (and so their addresses): the CNI startup gate answers a
+	// pod's ADD once its announced addresses are captured.
+	CapturedWorkloads func([]*registry.Workload)
+	// LinkHint, if set, names the host link of a local workload's address
+	// when CaptureByRoute finds no route to it (the CNI startup gate's
+	// announced link).
+	LinkHint func(netip.Addr) (string, bool)
+	// WhileReady, if set, runs from the moment the node is ready (capture
+	// installed) until it starts to drain, when its context ends: the CNI
+	// startup gate's server, which must not answer before the node can
+	// capture nor after it stops doing so.
+	WhileReady func(context.Context)
 	// NoIntercept leaves every packet verbatim: the TUN is in the path but
 	// no flow is proxied. For measuring the TUN path alone.
 	NoIntercept bool
@@ -84,6 +97,13 @@ type Config struct {
 	// the TUN, as when the kernel cannot deliver a pod's port 15008 to a
 	// node socket (the fallback; for tests and comparisons).
 	HBONEOnNetstack bool
+	// HBONEHandshakeTimeout, HBONEMaxHandshakes,
+	// HBONEMaxHandshakesPerSource and HBONEMaxConnsPerPeer bound inbound
+	// HBONE (hbone.ServerConfig's HandshakeTimeout, MaxHandshakes,
+	// MaxHandshakesPerSource, MaxConnsPerPeer), on the kernel socket and
+	// the netstack alike; zero: the hbone package's defaults.
+	HBONEHandshakeTimeout                                                 time.Duration
+	HBONEMaxHandshakes, HBONEMaxHandshakesPerSource, HBONEMaxConnsPerPeer int
 	// AckDelay holds the netstack's pure ACKs on connections whose both
 	// ends it is back for up to this long, for a reply to carry the
 	// acknowledgment (stack.Config.AckDelay); 0 writes every ACK at once.
@@ -239,12 +259,9 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	}
 	n.sink = &spoofSink{dev: sinkDev, log: log}
 	go n.sink.run()
-	loose := []string{sinkDev.Name()} // see tun.SetSysctls: capture links cannot be strict
 	links, _ := n.captureLinks(cfg.CaptureLinks, locals)
-	for _, l := range links {
-		loose = append(loose, l.Name)
-	}
-	sys, err := tun.SetSysctls(dev.Name(), loose...)
+	v4, v6 := families(locals, links)
+	sys, err := tun.SetSysctls(tun.SysctlConfig{TUN: dev.Name(), IPv4: v4, IPv6: v6, Logger: log})
 	if err != nil {
 		sinkDev.Close()
 		dev.Close()
@@ -306,9 +323,13 @@ func Run(ctx context.Context, cfg Config) (err error) {
 			}
 			return w.Identity, true
 		}),
-		Handler:       n.px.InboundHandler(),
-		OnRefusedConn: n.px.TLSFailure,
-		Logger:        log,
+		Handler:                n.px.InboundHandler(),
+		OnRefusedConn:          n.px.TLSFailure,
+		HandshakeTimeout:       cfg.HBONEHandshakeTimeout,
+		MaxHandshakes:          cfg.HBONEMaxHandshakes,
+		MaxHandshakesPerSource: cfg.HBONEMaxHandshakesPerSource,
+		MaxConnsPerPeer:        cfg.HBONEMaxConnsPerPeer,
+		Logger:                 log,
 	})
 	if err != nil {
 		return err
@@ -368,6 +389,13 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	}
 
 	n.ready.Store(true)
+	readyCtx, stopReady := context.WithCancel(runCtx)
+	var whileReady sync.WaitGroup
+	if cfg.WhileReady != nil {
+		whileReady.Go(func() { cfg.WhileReady(readyCtx) })
+	}
+	defer whileReady.Wait()
+	defer stopReady()
 	var linkNames []string
 	for _, l := range links {
 		linkNames = append(linkNames, l.Name)
@@ -381,6 +409,8 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	// Drain: not ready, GOAWAY to HBONE clients, new connections refused,
 	// open ones given DrainPeriod to finish.
 	n.ready.Store(false)
+	stopReady()
+	whileReady.Wait()
 	n.px.StopNew()
 	log.Info().Int("open", n.px.Open()).Dur("drain_period", cfg.DrainPeriod).Msg("draining")
 	dctx, cancel := context.WithTimeout(runCtx, cfg.DrainPeriod)
@@ -447,6 +477,8 @@ func (n *node) dataPlaneStats() metrics.DataPlaneStats {
 		HBONEInbound: map[string]uint64{},
 	}
 	d.HBONEInbound["kernel"], d.HBONEInbound["netstack"] = n.px.HBONEAccepted()
+	d.HBONERefused = n.hs.Refused()
+	d.HBONEHandshakes, _ = n.hs.PendingHandshakes()
 	for p := range cs.VerbatimPackets {
 		proto := classify.Proto(p).String()
 		d.Packets[[2]string{"verbatim", proto}] = cs.VerbatimPackets[p]
@@ -705,10 +737,11 @@ func (n *node) install(ctx context.Context, snap *registry.Snapshot, links []tun
 // workload's certificate held and, with CaptureByRoute, its host link
 // found. Called with captureMu held, or before the node follows updates.
 func (n *node) reportCaptured(locals []*registry.Workload, rulesOK bool) {
-	if n.cfg.Captured == nil {
+	if n.cfg.Captured == nil && n.cfg.CapturedWorkloads == nil {
 		return
 	}
 	var refs []registry.WorkloadRef
+	var ws []*registry.Workload
 	for _, w := range locals {
 		if !rulesOK || n.noRoute[w.String()] {
 			continue
@@ -717,8 +750,14 @@ func (n *node) reportCaptured(locals []*registry.Workload, rulesOK bool) {
 			continue
 		}
 		refs = append(refs, registry.WorkloadRef{Namespace: w.Namespace, Name: w.Name})
+		ws = append(ws, w)
 	}
-	n.cfg.Captured(refs)
+	if n.cfg.Captured != nil {
+		n.cfg.Captured(refs)
+	}
+	if n.cfg.CapturedWorkloads != nil {
+		n.cfg.CapturedWorkloads(ws)
+	}
 }
 
 // captureLinks returns links plus, with CaptureByRoute, the host-side
@@ -752,6 +791,14 @@ func (n *node) captureLinks(links []tun.CaptureLink, locals []*registry.Workload
 			if hl, ok := found[a.Unmap()]; ok {
 				link = &hl
 				break
+			}
+		}
+		if link == nil && n.cfg.LinkHint != nil {
+			for _, a := range w.Addresses {
+				if name, ok := n.cfg.LinkHint(a.Unmap()); ok && tun.RoutedLink(name) {
+					link = &tun.HostLink{Name: name}
+					break
+				}
 			}
 		}
 		switch {
@@ -804,4 +851,28 @@ func (n *node) follow(ctx context.Context, updates <-chan *registry.Snapshot) {
 		n.log.Debug().Int("workloads", len(snap.Workloads)).Int("services", len(snap.Services)).
 			Int("local", len(localWorkloads(snap, n.cfg.Name))).Int("connections_closed", closed).Msg("mesh model updated")
 	}
+}
+
+// families says which IP families the node's captured pods use: their
+// addresses and their links' sources. A node without pods yet uses none,
+// so forwarding it cannot turn on only warns (tun.SetSysctls).
+func families(locals []*registry.Workload, links []tun.CaptureLink) (v4, v6 bool) {
+	see := func(a netip.Addr) {
+		if a.Unmap().Is4() {
+			v4 = true
+		} else {
+			v6 = true
+		}
+	}
+	for _, w := range locals {
+		for _, a := range w.Addresses {
+			see(a)
+		}
+	}
+	for _, l := range links {
+		for _, a := range l.Sources {
+			see(a)
+		}
+	}
+	return v4, v6
 }

@@ -125,7 +125,7 @@ func (p *Proxy) TLSFailure(local, remote net.Addr, err error) {
 	r, _ := netip.ParseAddrPort(remote.String())
 	snap := p.cfg.Registry.Load()
 	rec := p.newRecord(r, l, snap.Workload(r.Addr()), snap.Workload(l.Addr()), "inbound", "hbone")
-	rec.refused(&tlsFailure{err})
+	rec.refusedEarly(&tlsFailure{err})
 }
 
 // tlsFailure is a refusal at the HBONE connection's TLS layer.

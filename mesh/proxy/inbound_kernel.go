@@ -15,7 +15,10 @@ import (
 // to the HBONE server, until ctx ends; it closes ln then. The local
 // address of such a connection is the pod's: one that is not a local mesh
 // workload's port 15008 (the node's own address, a pod that left the
-// mesh) is reset before any TLS byte, and logged as refused.
+// mesh) is reset before any TLS byte, and logged as refused (within the
+// rate of refusals before any request, see record.refusedEarly). The
+// bounds on pending handshakes and connections are the HBONE server's, in
+// ServeConn, shared with the netstack's listeners.
 func (p *Proxy) ServeHBONE(ctx context.Context, ln net.Listener) error {
 	return hbone.AcceptLoop(ctx, ln, p.log, p.serveKernelConn)
 }
@@ -34,12 +37,15 @@ func (p *Proxy) serveKernelConn(c net.Conn) {
 			tc.SetLinger(0) // a reset: nothing listens here for this client
 		}
 		c.Close()
+		if srv != nil {
+			srv.CountRefused(hbone.RefusedNotLocal)
+		}
 		p.newRecord(remote, local, snap.Workload(remote.Addr()), dst, "inbound", "hbone").
-			refused(fmt.Errorf("%w: HBONE connection to %s, which is not a mesh workload on this node", hbone.ErrBadRequest, local))
+			refusedEarly(fmt.Errorf("%w: HBONE connection to %s, which is not a mesh workload on this node", hbone.ErrBadRequest, local))
 		return
 	}
 	p.hboneKernel.Add(1)
-	go srv.ServeConn(p.ctx, c)
+	srv.Go(p.ctx, c)
 }
 
 // HBONEAccepted returns how many inbound HBONE connections were accepted

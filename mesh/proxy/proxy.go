@@ -81,8 +81,9 @@ type Proxy struct {
 	netstk   atomic.Pointer[Dialer]
 	server   atomic.Pointer[hbone.Server]
 	draining atomic.Bool
-	quiet    atomic.Bool // access log off
-	open     tracker     // relayed connections, for Drain and Reauthorize
+	quiet    atomic.Bool       // access log off
+	open     tracker           // relayed connections, for Drain and Reauthorize
+	earlyLog *hbone.LogLimiter // access-log lines of connections refused before any request
 
 	hboneKernel, hboneNetstack atomic.Uint64 // inbound HBONE connections accepted
 }
@@ -96,11 +97,12 @@ func New(ctx context.Context, cfg Config) (*Proxy, error) {
 		cfg.ConnectTimeout = DefaultConnectTimeout
 	}
 	return &Proxy{
-		cfg:    cfg,
-		log:    cfg.Logger,
-		access: cfg.AccessLog,
-		dialer: net.Dialer{Timeout: cfg.ConnectTimeout, Control: cfg.SocketControl},
-		ctx:    ctx,
+		cfg:      cfg,
+		log:      cfg.Logger,
+		access:   cfg.AccessLog,
+		dialer:   net.Dialer{Timeout: cfg.ConnectTimeout, Control: cfg.SocketControl},
+		ctx:      ctx,
+		earlyLog: hbone.NewLogLimiter(hbone.DefaultLogRate),
 	}, nil
 }
 

@@ -135,17 +135,35 @@ func peer(w *registry.Workload) metrics.Peer {
 }
 
 // refused reports a connection refused before it opened.
-func (r *record) refused(err error) {
+func (r *record) refused(err error) { r.refusedLog(err, true, 0) }
+
+// refusedLog counts the refusal and, if log, logs it, with how many lines
+// were held back before it (suppressed) if any.
+func (r *record) refusedLog(err error, log bool, suppressed uint64) {
 	flags := responseFlags(err)
 	for _, rep := range r.reporters {
 		c := r.labels(rep, flags)
 		r.p.cfg.Metrics.Refused(&c)
 	}
-	if r.p.quiet.Load() {
+	if !log || r.p.quiet.Load() {
 		return
 	}
-	r.event(r.p.access.Info()).Str("error", connectError(err)).Str("response_flags", flags).
-		Dur("duration", time.Since(r.start)).Msg("connection refused")
+	e := r.event(r.p.access.Info()).Str("error", connectError(err)).Str("response_flags", flags).
+		Dur("duration", time.Since(r.start))
+	if suppressed > 0 {
+		e = e.Uint64("suppressed", suppressed)
+	}
+	e.Msg("connection refused")
+}
+
+// refusedEarly is refused for a connection refused before any request
+// (a failed TLS handshake, the wrong address): anyone can cause those, as
+// fast as they can connect, so their access-log lines are limited to
+// hbone.DefaultLogRate a second (the next line let through says how many
+// were held back); the metrics count them all.
+func (r *record) refusedEarly(err error) {
+	ok, n := r.p.earlyLog.Allow()
+	r.refusedLog(err, ok, n)
 }
 
 // opened counts the connection as open: its upstream is connected.

@@ -13,6 +13,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -83,8 +84,22 @@ type ServerConfig struct {
 	TLS *tls.Config
 	// Handler decides requests. Required.
 	Handler Handler
-	// HandshakeTimeout bounds the TLS handshake; 10 s if zero.
+	// HandshakeTimeout bounds the TLS handshake, and then the client's
+	// HTTP/2 preface; DefaultHandshakeTimeout if zero.
 	HandshakeTimeout time.Duration
+	// MaxHandshakes bounds the connections whose handshake is pending, in
+	// all, and MaxHandshakesPerSource those from one source address; a
+	// connection beyond is reset at once, except that when all are taken
+	// a source holding fewer than another takes the slot of that other's
+	// oldest (see handshakeGate). MaxConnsPerPeer bounds one peer
+	// identity's authenticated connections; one beyond is reset after its
+	// handshake. DefaultMaxHandshakes, DefaultMaxHandshakesPerSource and
+	// DefaultMaxConnsPerPeer if zero; negative means no bound.
+	MaxHandshakes, MaxHandshakesPerSource, MaxConnsPerPeer int
+	// LogRate bounds the lines a second logged for connections refused
+	// before any request (failed handshakes, bounds); the rest are only
+	// counted (Refused). DefaultLogRate if zero; negative means no bound.
+	LogRate int
 	// PingInterval and PingTimeout: a PING after PingInterval without
 	// frames, the connection closed if unanswered after PingTimeout.
 	// PingInterval and PingTimeout (the package constants) if zero.
@@ -115,6 +130,11 @@ type Server struct {
 	refused      func(local, remote net.Addr, err error)
 	conns        atomic.Int64 // connections being served
 
+	gate         *handshakeGate
+	refusedN     refusals
+	logLim       *LogLimiter
+	maxPeerConns int
+
 	maxPeerStreams, maxPeerConnecting int
 
 	peerMu sync.Mutex
@@ -141,7 +161,19 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	tc.NextProtos = []string{"h2"}
 	tc.SessionTicketsDisabled = true
 	if cfg.HandshakeTimeout <= 0 {
-		cfg.HandshakeTimeout = 10 * time.Second
+		cfg.HandshakeTimeout = DefaultHandshakeTimeout
+	}
+	if cfg.MaxHandshakes == 0 {
+		cfg.MaxHandshakes = DefaultMaxHandshakes
+	}
+	if cfg.MaxHandshakesPerSource == 0 {
+		cfg.MaxHandshakesPerSource = DefaultMaxHandshakesPerSource
+	}
+	if cfg.MaxConnsPerPeer == 0 {
+		cfg.MaxConnsPerPeer = DefaultMaxConnsPerPeer
+	}
+	if cfg.LogRate == 0 {
+		cfg.LogRate = DefaultLogRate
 	}
 	if cfg.PingInterval <= 0 {
 		cfg.PingInterval = PingInterval
@@ -156,6 +188,9 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		cfg.MaxConnectingPerPeer = DefaultMaxConnectingPerPeer
 	}
 	return &Server{
+		gate:              newHandshakeGate(cfg.MaxHandshakes, cfg.MaxHandshakesPerSource),
+		logLim:            NewLogLimiter(cfg.LogRate),
+		maxPeerConns:      cfg.MaxConnsPerPeer,
 		maxPeerStreams:    cfg.MaxStreamsPerPeer,
 		maxPeerConnecting: cfg.MaxConnectingPerPeer,
 		peers:             make(map[spiffeid.ID]*peerLoad),
@@ -181,7 +216,42 @@ const (
 )
 
 // peerLoad is what one peer identity holds on the server.
-type peerLoad struct{ streams, connecting int }
+type peerLoad struct{ conns, streams, connecting int }
+
+// admitPeerConn counts a new authenticated connection of peer; it reports
+// false, counting nothing, if peer has its bound.
+func (s *Server) admitPeerConn(peer spiffeid.ID) bool {
+	s.peerMu.Lock()
+	defer s.peerMu.Unlock()
+	l := s.peers[peer]
+	if l == nil {
+		l = &peerLoad{}
+		s.peers[peer] = l
+	}
+	if s.maxPeerConns > 0 && l.conns >= s.maxPeerConns {
+		s.dropPeerLocked(peer, l)
+		return false
+	}
+	l.conns++
+	return true
+}
+
+// peerConnDone ends one of peer's connections.
+func (s *Server) peerConnDone(peer spiffeid.ID) {
+	s.peerMu.Lock()
+	if l := s.peers[peer]; l != nil {
+		l.conns--
+		s.dropPeerLocked(peer, l)
+	}
+	s.peerMu.Unlock()
+}
+
+// dropPeerLocked forgets peer once it holds nothing.
+func (s *Server) dropPeerLocked(peer spiffeid.ID, l *peerLoad) {
+	if l.conns <= 0 && l.streams <= 0 && l.connecting <= 0 {
+		delete(s.peers, peer)
+	}
+}
 
 // admitPeer counts a new stream, connecting, for peer; it returns why it
 // refuses the stream instead, or "".
@@ -217,12 +287,36 @@ func (s *Server) peerConnected(peer spiffeid.ID) {
 func (s *Server) peerStreamDone(peer spiffeid.ID) {
 	s.peerMu.Lock()
 	if l := s.peers[peer]; l != nil {
-		if l.streams--; l.streams <= 0 && l.connecting <= 0 {
-			delete(s.peers, peer)
-		}
+		l.streams--
+		s.dropPeerLocked(peer, l)
 	}
 	s.peerMu.Unlock()
 }
+
+// PeerConns returns the authenticated connections peer has open on the
+// server.
+func (s *Server) PeerConns(peer spiffeid.ID) int {
+	s.peerMu.Lock()
+	defer s.peerMu.Unlock()
+	if l := s.peers[peer]; l != nil {
+		return l.conns
+	}
+	return 0
+}
+
+// PendingHandshakes returns the connections whose handshake is pending,
+// in all and per source address.
+func (s *Server) PendingHandshakes() (total int, perSource map[netip.Addr]int) {
+	return s.gate.load()
+}
+
+// Refused returns the connections refused before any request, by reason
+// (the Refused* constants), every reason present.
+func (s *Server) Refused() map[string]uint64 { return s.refusedN.snapshot() }
+
+// CountRefused counts, in Refused, a connection its caller refused before
+// handing it to the server (RefusedNotLocal).
+func (s *Server) CountRefused(reason string) { s.refusedN.add(reason) }
 
 // PeerLoad returns the streams peer has open on the server and how many
 // of them are being connected.
@@ -239,14 +333,15 @@ func (s *Server) PeerLoad(peer spiffeid.ID) (streams, connecting int) {
 // ctx ends, which closes ln and every connection. It returns nil after ctx
 // ended, or the error that stopped accepting.
 func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
-	return AcceptLoop(ctx, ln, s.log, func(c net.Conn) { go s.ServeConn(ctx, c) })
+	return AcceptLoop(ctx, ln, s.log, func(c net.Conn) { s.Go(ctx, c) })
 }
 
 // AcceptLoop accepts connections from ln and hands each to serve, on the
 // accepting goroutine, until ctx ends, which closes ln. A temporary accept
-// error (a timeout, e.g. out of descriptors) is logged and retried with a
-// backoff of up to 1 s. It returns nil after ctx ended, or the error that
-// stopped accepting.
+// error (a timeout; out of descriptors, EMFILE or ENFILE; out of buffers
+// or memory) is logged and retried with a backoff of up to 1 s, so that a
+// flood that exhausts descriptors does not end the listener. It returns
+// nil after ctx ended, or the error that stopped accepting.
 func AcceptLoop(ctx context.Context, ln net.Listener, log zerolog.Logger, serve func(net.Conn)) error {
 	stop := context.AfterFunc(ctx, func() { ln.Close() })
 	defer stop()
@@ -257,8 +352,7 @@ func AcceptLoop(ctx context.Context, ln net.Listener, log zerolog.Logger, serve 
 			if ctx.Err() != nil {
 				return nil
 			}
-			var ne net.Error
-			if errors.As(err, &ne) && ne.Timeout() {
+			if temporaryAccept(err) {
 				delay = min(max(2*delay, 5*time.Millisecond), time.Second)
 				log.Warn().Err(err).Str("listener", ln.Addr().String()).Dur("retry_in", delay).Msg("hbone: accept failed")
 				select {
@@ -278,10 +372,40 @@ func AcceptLoop(ctx context.Context, ln net.Listener, log zerolog.Logger, serve 
 // ServeConn serves one connection: the TLS handshake (unless c is a
 // *tls.Conn whose handshake is done or still to do with a configuration of
 // its own) and then HTTP/2 until the client goes away or ctx ends. It closes
-// c before returning.
+// c before returning. A connection beyond the server's bounds (pending
+// handshakes in all and from its source, connections of its peer
+// identity) is reset (see ServerConfig).
 func (s *Server) ServeConn(ctx context.Context, c net.Conn) {
+	if hs := s.admit(c); hs != nil {
+		s.serve(ctx, c, hs)
+	}
+}
+
+// Go is ServeConn on a goroutine of its own, started only if c is within
+// the bounds: a connection beyond is reset before Go returns, so that an
+// accept loop that calls it holds no descriptor or goroutine for it.
+func (s *Server) Go(ctx context.Context, c net.Conn) {
+	if hs := s.admit(c); hs != nil {
+		go s.serve(ctx, c, hs)
+	}
+}
+
+// admit takes a handshake slot for c, or resets c and returns nil.
+func (s *Server) admit(c net.Conn) *pending {
+	remote, _ := addrPort(c.RemoteAddr())
+	hs, reason := s.gate.admit(remote.Addr(), func() { abort(c) })
+	if hs == nil {
+		abort(c)
+		s.refuseConn(c, reason, nil, nil)
+	}
+	return hs
+}
+
+// serve is ServeConn once c holds the handshake slot hs.
+func (s *Server) serve(ctx context.Context, c net.Conn, hs *pending) {
 	s.conns.Add(1)
 	defer s.conns.Add(-1)
+	defer s.gate.release(hs)
 	stop := context.AfterFunc(ctx, func() { c.Close() })
 	defer stop()
 	defer c.Close()
@@ -295,39 +419,61 @@ func (s *Server) ServeConn(ctx context.Context, c net.Conn) {
 	}
 	hctx, cancel := context.WithTimeout(ctx, s.hsTime)
 	err := tc.HandshakeContext(hctx)
+	timedOut := hctx.Err() == context.DeadlineExceeded
 	cancel()
+	evicted := s.gate.release(hs)
+	if err != nil && ctx.Err() != nil {
+		return // the server stops
+	}
 	if err != nil {
-		s.refuseConn(c, err)
-		log.Warn().Err(err).Msg("hbone: TLS handshake failed")
+		reason := RefusedHandshakeFailed
+		switch {
+		case evicted:
+			reason = RefusedEvicted
+		case timedOut:
+			reason = RefusedHandshakeTimeout
+		}
+		s.refuseConn(c, reason, err, &log)
 		return
 	}
 	st := tc.ConnectionState()
 	if st.NegotiatedProtocol != "h2" {
-		s.refuseConn(c, fmt.Errorf("hbone: client negotiated %q, not h2", st.NegotiatedProtocol))
-		log.Warn().Str("alpn", st.NegotiatedProtocol).Msg("hbone: client did not negotiate h2")
+		s.refuseConn(c, RefusedNoH2, fmt.Errorf("hbone: client negotiated %q, not h2", st.NegotiatedProtocol), &log)
 		return
 	}
 	if len(st.PeerCertificates) == 0 {
-		s.refuseConn(c, errors.New("hbone: client presented no certificate"))
-		log.Warn().Msg("hbone: client presented no certificate")
+		s.refuseConn(c, RefusedHandshakeFailed, errors.New("hbone: client presented no certificate"), &log)
 		return
 	}
 	sc := &serverConn{srv: s, ctx: ctx}
 	if sc.peer, err = x509svid.IDFromCert(st.PeerCertificates[0]); err != nil {
-		s.refuseConn(c, err)
-		log.Warn().Err(err).Msg("hbone: client certificate has no SPIFFE ID")
+		s.refuseConn(c, RefusedNoIdentity, fmt.Errorf("hbone: client certificate has no SPIFFE ID: %w", err), &log)
 		return
 	}
+	log = log.With().Str("peer", sc.peer.String()).Logger()
+	if !s.admitPeerConn(sc.peer) {
+		abort(c)
+		s.refuseConn(c, RefusedPeerLimit, fmt.Errorf("hbone: peer %s has %d connections on this server, the limit", sc.peer, s.maxPeerConns), &log)
+		return
+	}
+	defer s.peerConnDone(sc.peer)
 	sc.local, _ = addrPort(tc.LocalAddr())
 	sc.remote, _ = addrPort(tc.RemoteAddr())
-	log = log.With().Str("peer", sc.peer.String()).Logger()
 	sc.log = log
 
 	// The client's preface, within the handshake timeout.
 	tc.SetReadDeadline(time.Now().Add(s.hsTime))
 	var preface [len(http2.ClientPreface)]byte
 	if _, err := io.ReadFull(tc, preface[:]); err != nil || string(preface[:]) != http2.ClientPreface {
-		log.Warn().Err(err).Str("got", string(preface[:])).Msg("hbone: no HTTP/2 client preface")
+		reason := RefusedNoH2
+		var ne net.Error
+		if errors.As(err, &ne) && ne.Timeout() {
+			reason = RefusedHandshakeTimeout
+		}
+		s.refusedN.add(reason)
+		if ok, n := s.logLim.Allow(); ok {
+			log.Warn().Err(err).Str("got", string(preface[:])).Uint64("suppressed", n).Msg("hbone: no HTTP/2 client preface")
+		}
 		return
 	}
 	tc.SetReadDeadline(time.Time{})
@@ -352,6 +498,21 @@ func (s *Server) ServeConn(ctx context.Context, c net.Conn) {
 	sc.h.readLoop()
 }
 
+// temporaryAccept reports whether an accept error passes: a timeout, or a
+// lack of descriptors or memory that closing connections gives back.
+func temporaryAccept(err error) bool {
+	var ne net.Error
+	if errors.As(err, &ne) && ne.Timeout() {
+		return true
+	}
+	for _, e := range []syscall.Errno{syscall.EMFILE, syscall.ENFILE, syscall.ENOBUFS, syscall.ENOMEM, syscall.ECONNABORTED} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	return false
+}
+
 func addrPort(a net.Addr) (netip.AddrPort, bool) {
 	var ap netip.AddrPort
 	if ta, ok := a.(*net.TCPAddr); ok {
@@ -364,10 +525,28 @@ func addrPort(a net.Addr) (netip.AddrPort, bool) {
 	return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()), true
 }
 
-func (s *Server) refuseConn(c net.Conn, err error) {
-	if s.refused != nil {
+// refuseConn counts c as refused for reason and logs it, within the log
+// rate (log nil: the logger of the server, with the connection's
+// addresses). A connection that failed its handshake or has no usable
+// certificate (err not nil) is reported to OnRefusedConn too.
+func (s *Server) refuseConn(c net.Conn, reason string, err error, log *zerolog.Logger) {
+	s.refusedN.add(reason)
+	if err != nil && s.refused != nil {
 		s.refused(c.LocalAddr(), c.RemoteAddr(), err)
 	}
+	ok, n := s.logLim.Allow()
+	if !ok {
+		return
+	}
+	if log == nil {
+		l := s.log.With().Str("peer_addr", c.RemoteAddr().String()).Str("local_addr", c.LocalAddr().String()).Logger()
+		log = &l
+	}
+	e := log.Warn().Str("reason", reason).Uint64("suppressed", n)
+	if err != nil {
+		e = e.Err(err)
+	}
+	e.Msg("hbone: connection refused before any request")
 }
 
 // Drain sends GOAWAY on every connection being served, and on every one
