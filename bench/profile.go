@@ -96,7 +96,7 @@ func profileRuns(pl plan) []profileRun {
 // own cost and ceiling). It returns the profiles written.
 func profileLane(ctx context.Context, l *lane, pl plan, dir string) ([]string, error) {
 	var files []string
-	pprof := slices.ContainsFunc(l.Proxies, func(x topo.Proxy) bool { return x.Pprof.IsValid() })
+	pprof := slices.ContainsFunc(l.Proxies, func(x topo.Proxy) bool { return x.Pprof != "" })
 	for _, pr := range profileRuns(pl) {
 		if pr.trace && !pprof {
 			continue // the same counters as the untraced run
@@ -107,7 +107,7 @@ func profileLane(ctx context.Context, l *lane, pl plan, dir string) ([]string, e
 			errs []error
 		)
 		for _, x := range l.Proxies {
-			if !x.Pprof.IsValid() {
+			if x.Pprof == "" {
 				continue
 			}
 			name := fmt.Sprintf("%s-%s-%s.pprof", l.Name, strings.ReplaceAll(x.Name, " ", "-"), pr.name)
@@ -316,7 +316,7 @@ func heapProfiles(ctx context.Context, l *lane, n int, dir string) ([]string, er
 		errs  []error
 	)
 	for _, x := range l.Proxies {
-		if !x.Pprof.IsValid() {
+		if x.Pprof == "" {
 			continue
 		}
 		p := filepath.Join(dir, fmt.Sprintf("%s-%s-idle%d.heap.pprof", l.Name, strings.ReplaceAll(x.Name, " ", "-"), n))
@@ -329,17 +329,17 @@ func heapProfiles(ctx context.Context, l *lane, n int, dir string) ([]string, er
 	return files, errors.Join(errs...)
 }
 
-// fetchProfile fetches /debug/pprof/<what> of proxy x from inside its
-// node's namespace into path.
+// fetchProfile fetches /debug/pprof/<what> of proxy x through its admin
+// socket into path.
 func fetchProfile(ctx context.Context, x topo.Proxy, what, path string) error {
-	node := x.Node
 	client := &http.Client{Transport: &http.Transport{
-		DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
-			return node.Dial(ctx, network, addr)
+		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			var d net.Dialer
+			return d.DialContext(ctx, "unix", x.Pprof)
 		},
 	}}
 	defer client.CloseIdleConnections()
-	url := fmt.Sprintf("http://%s/debug/pprof/%s", x.Pprof, what)
+	url := "http://admin/debug/pprof/" + what
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
 	if err != nil {
 		return err

@@ -10,7 +10,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
@@ -45,9 +44,9 @@ type Proxy struct {
 	Pid int
 	// Node is the node the proxy runs on.
 	Node *cluster.Node
-	// Pprof is where the proxy serves net/http/pprof inside Node's
-	// namespace (under /debug/pprof/); invalid if it does not.
-	Pprof netip.AddrPort
+	// Pprof is the Unix socket where the proxy serves net/http/pprof
+	// (under /debug/pprof/; meshtun's admin socket); empty if it does not.
+	Pprof string
 
 	proc  *cluster.Proc
 	start func(context.Context) (*cluster.Proc, error)
@@ -168,9 +167,6 @@ var plans = []pathPlan{
 	{name: WireGuardGo, desc: "wireguard-go " + WireGuardVersion + " on both nodes, configured through its UAPI socket: pod → node → encrypted tunnel (UDP over the fabric, its Linux offloads on) → node → pod", peer: true},
 	{name: Pasta, desc: "pasta (Debian's " + PastaPackage + ") on the client's node gives the client pod its network in place of the veth: the pod's TCP and UDP become pasta's sockets in the node, routed on by the node's kernel", peer: true},
 }
-
-// meshtunAdmin is the admin address noderun.WriteConfig gives every node.
-var meshtunAdmin = netip.MustParseAddrPort("127.0.0.1:15000")
 
 // Sysctls set in every pod and node namespace: connect-heavy scenarios
 // leave many TIME_WAIT sockets behind, and 10,000 idle connections need
@@ -345,7 +341,7 @@ func (t *Topology) build(ctx context.Context, spec Spec, ps []pathPlan) error {
 			p.Proxies = append(p.Proxies, Proxy{
 				Name:  "meshtun " + noderun.NodeName(n),
 				Node:  n,
-				Pprof: meshtunAdmin,
+				Pprof: noderun.AdminSocket(filepath.Dir(t.ConfigPath), n),
 				start: func(ctx context.Context) (*cluster.Proc, error) {
 					return startMeshtun(ctx, bin, env, n, args...)
 				},

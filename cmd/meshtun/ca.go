@@ -98,6 +98,11 @@ func runCAServe(ctx context.Context, args []string) error {
 	rootFrom := fs.String("root-from", "", "`directory` holding "+identity.RootKeyFile+" and "+identity.RootCertFile+" (a Secret volume) to copy into ca.dir when ca.dir has no root")
 	rootSecret := fs.String("root-secret", "", "with --kubernetes: `namespace/name` of the Secret that holds the CA root (root-key.pem, root-cert.pem); created with a new self-signed root on first start when it does not exist")
 	rootConfigMap := fs.String("root-configmap", "", "with --root-secret: `namespace/name` of the ConfigMap the root certificate (root-cert.pem, no key) is published to, for the nodes; same namespace as the Secret")
+	var lim caserver.Limits
+	fs.DurationVar(&lim.HandshakeTimeout, "handshake-timeout", caserver.DefaultHandshakeTimeout, "close a connection whose TLS handshake and HTTP/2 preface take longer than this `duration`")
+	fs.IntVar(&lim.MaxConnections, "max-connections", caserver.DefaultMaxConnections, "open connections at most (`n`); beyond it new ones are closed when accepted")
+	fs.IntVar(&lim.MaxConnectionsPerSource, "max-connections-per-source", caserver.DefaultMaxConnectionsPerSource, "open connections from one IP address at most (`n`); raise it behind a proxy that hides the nodes' addresses")
+	reviewTTL := fs.Duration("token-review-ttl", caserver.DefaultReviewTTL, "with --kubernetes: reuse a successful TokenReview of a token for this `duration` (failures are not reused)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -167,7 +172,7 @@ func runCAServe(ctx context.Context, args []string) error {
 			return errors.New("--node-accounts: none given; no node could get a certificate")
 		}
 		api := caserver.KubeAPI{Client: cs}
-		km := &caserver.KubeMode{TrustDomain: ca.TrustDomain(), Reviewer: api, Pods: api, Audience: *audience, NodeAccounts: accounts}
+		km := &caserver.KubeMode{TrustDomain: ca.TrustDomain(), Reviewer: api, Pods: api, Audience: *audience, NodeAccounts: accounts, ReviewTTL: *reviewTTL}
 		authn, authz = []caserver.Authenticator{km}, km
 		log.Info().Strs("node_accounts", accounts).Str("audience", *audience).Msg("nodes authenticate with service-account tokens (TokenReview)")
 	} else {
@@ -177,7 +182,7 @@ func runCAServe(ctx context.Context, args []string) error {
 		authn, authz = []caserver.Authenticator{file}, file
 	}
 	srv, err := caserver.New(caserver.Config{CA: ca, Authenticators: authn, Authorizer: authz,
-		MaxTTL: c.CA.SVIDTTL, Logger: log})
+		MaxTTL: c.CA.SVIDTTL, Limits: lim, Logger: log})
 	if err != nil {
 		return err
 	}
@@ -212,7 +217,8 @@ func runCAServe(ctx context.Context, args []string) error {
 		srv.Stop()
 	}()
 	log.Info().Str("addr", lis.Addr().String()).Str("trust_domain", ca.TrustDomain().String()).
-		Int("roots", len(ca.Roots())).Dur("svid_ttl", c.CA.SVIDTTL).Msg(caserver.ReadyMessage)
+		Int("roots", len(ca.Roots())).Dur("svid_ttl", c.CA.SVIDTTL).Dur("handshake_timeout", lim.HandshakeTimeout).
+		Int("max_connections", lim.MaxConnections).Int("max_connections_per_source", lim.MaxConnectionsPerSource).Msg(caserver.ReadyMessage)
 	if err := srv.Serve(lis); err != nil && ctx.Err() == nil {
 		return err
 	}

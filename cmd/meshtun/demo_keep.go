@@ -104,7 +104,7 @@ func keepUp(ctx context.Context, d *demo.Demo, mode string, jsonOut bool, ready 
 		fmt.Fprintf(w, "  %-9s %-12s %sip netns exec %s sh\n", e.Name, e.IPv4, enter, e.NS.Name())
 	}
 	for _, n := range d.Nodes() {
-		fmt.Fprintf(w, "  node %-4s %-12s %sip netns exec %s sh   (meshtun node pid %d, admin http://127.0.0.1:15000/debug/pprof/ inside)\n",
+		fmt.Fprintf(w, "  node %-4s %-12s %sip netns exec %s sh   (meshtun node pid %d, admin http://127.0.0.1:15000/config_dump inside)\n",
 			n.Name, n.IPv4, enter, n.NetNS, n.PID)
 	}
 	var client, echo demo.Endpoint

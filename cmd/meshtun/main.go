@@ -24,6 +24,7 @@ commands:
             (node --uninstall: remove meshtun's rules from it)
   cni       the CNI startup gate's operator commands (cni uninstall)
   ca        the certificate service and its operator commands (see docs/identity.md)
+  admin     call the node's admin socket (root): log levels, pprof
   bench     measure meshtun's data paths side by side (root; see -h)
   version   print the version
 
@@ -50,6 +51,8 @@ func main() {
 		err = runDemo(ctx, args)
 	case "bench":
 		err = runBench(ctx, args)
+	case "admin":
+		err = runAdmin(ctx, args, os.Stdout)
 	case "version":
 		fmt.Println(version())
 	case "-h", "-help", "--help", "help":

@@ -197,6 +197,7 @@ func runNode(ctx context.Context, args []string) error {
 		HBONEMaxHandshakesPerSource: maxHSSource,
 		HBONEMaxConnsPerPeer:        maxPeerConns,
 		AdminAddr:                   nc.Listen.Admin,
+		AdminSocket:                 nc.Listen.AdminSocket,
 		ConfigDumpFormat:            nc.Listen.AdminFormat,
 		MetricsAddr:                 nc.Listen.Metrics,
 		ReadinessAddr:               nc.Listen.Readiness,

@@ -48,10 +48,13 @@ const (
 	DefaultTUNName           = "meshtun0"
 	DefaultMTU               = 1500
 	DefaultAdmin             = "127.0.0.1:15000"
-	DefaultMetrics           = ":15020"
-	DefaultReadiness         = ":15021"
-	DefaultNamespace         = "default"
-	DefaultSA                = "default"
+	// DefaultAdminSocket is the Unix socket of the node's writable and
+	// profiling admin endpoints (root only: 0600 in a 0700 directory).
+	DefaultAdminSocket = "/var/run/meshtun/admin.sock"
+	DefaultMetrics     = ":15020"
+	DefaultReadiness   = ":15021"
+	DefaultNamespace   = "default"
+	DefaultSA          = "default"
 )
 
 // Config is a parsed and validated config file. Load fills in defaults;
@@ -167,6 +170,12 @@ type ListenConfig struct {
 	// ?format=: "meshtun" (default) or "ztunnel" (ztunnel's JSON, for
 	// tools that read ztunnel's admin endpoint).
 	AdminFormat string `yaml:"adminFormat"`
+	// AdminSocket is the path of the Unix socket (mode 0600, in a
+	// directory only its owner may write) that serves the admin endpoints
+	// that change the node or profile it (POST /logging, /debug/pprof/)
+	// as well as the read-only ones; the TCP admin address serves only
+	// the read-only ones. Empty ("") disables it.
+	AdminSocket string `yaml:"adminSocket"`
 }
 
 // Workload is a pod or any other addressable endpoint.

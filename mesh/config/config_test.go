@@ -144,6 +144,7 @@ authorizationPolicies:
 		{"tun.name", n.TUN.Name, "meshtun0"},
 		{"listen.admin (set to empty: off)", n.Listen.Admin, ""},
 		{"listen.metrics", n.Listen.Metrics, ":15020"},
+		{"listen.adminSocket", n.Listen.AdminSocket, DefaultAdminSocket},
 		{"listen.readiness", n.Listen.Readiness, ":15021"},
 		{"workload namespace", w.Namespace, "default"},
 		{"workload serviceAccount", w.ServiceAccount, "default"},

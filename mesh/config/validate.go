@@ -323,6 +323,11 @@ func (c *Config) validateNodes(d *decoder) map[string]int {
 		default:
 			d.errorf(p+".listen.adminFormat", "%q: want meshtun or ztunnel", n.Listen.AdminFormat)
 		}
+		if !d.has(p + ".listen.adminSocket") {
+			n.Listen.AdminSocket = DefaultAdminSocket
+		} else if s := n.Listen.AdminSocket; s != "" && (!filepath.IsAbs(s) || len(s) > 107) {
+			d.errorf(p+".listen.adminSocket", "%q: want an absolute path of at most 107 bytes (a Unix socket's limit)", s)
+		}
 		for _, f := range []struct {
 			name string
 			v    *string

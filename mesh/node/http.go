@@ -20,7 +20,10 @@ import (
 )
 
 // serveHTTP starts the node's HTTP endpoints (admin, metrics, readiness)
-// on their configured addresses and returns a function that stops them.
+// on their configured addresses, and the admin socket, and returns a
+// function that stops them. The TCP admin address serves the read-only
+// endpoints; the admin socket (root only) serves them all, including the
+// ones that change the node (POST /logging) or read its memory (pprof).
 func (n *node) serveHTTP(ctx context.Context) (stop func(), err error) {
 	var servers []*http.Server
 	stop = func() {
@@ -30,11 +33,23 @@ func (n *node) serveHTTP(ctx context.Context) (stop func(), err error) {
 			s.Shutdown(sctx)
 		}
 	}
+	n.httpAddrs = map[string]string{}
+	serve := func(name string, ln net.Listener, h http.Handler) {
+		srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second, ConnContext: withPeer}
+		servers = append(servers, srv)
+		n.httpAddrs[name] = ln.Addr().String()
+		go func() {
+			if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				n.log.Error().Err(err).Str("addr", ln.Addr().String()).Msg(name + " server stopped")
+			}
+		}()
+		n.log.Debug().Str("addr", ln.Addr().String()).Msg(name + " server listening")
+	}
 	for _, ep := range []struct {
 		name, addr string
 		handler    http.Handler
 	}{
-		{"admin", n.cfg.AdminAddr, n.adminMux()},
+		{"admin", n.cfg.AdminAddr, n.adminMux(false)},
 		{"metrics", n.cfg.MetricsAddr, promhttp.HandlerFor(n.metrics.Registry, promhttp.HandlerOpts{})},
 		{"readiness", n.cfg.ReadinessAddr, http.HandlerFunc(n.readiness)},
 	} {
@@ -48,14 +63,17 @@ func (n *node) serveHTTP(ctx context.Context) (stop func(), err error) {
 			stop()
 			return nil, fmt.Errorf("node: %s listener on %s: %w", ep.name, ep.addr, err)
 		}
-		srv := &http.Server{Handler: ep.handler, ReadHeaderTimeout: 10 * time.Second}
-		servers = append(servers, srv)
-		go func() {
-			if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
-				n.log.Error().Err(err).Str("addr", ep.addr).Msg(ep.name + " server stopped")
-			}
-		}()
-		n.log.Debug().Str("addr", ln.Addr().String()).Msg(ep.name + " server listening")
+		serve(ep.name, ln, ep.handler)
+	}
+	if n.cfg.AdminSocket != "" {
+		// Without it the node runs on: what it would serve is off (closed),
+		// the mesh is not.
+		if ln, err := listenAdminSocket(n.cfg.AdminSocket, n.log); err != nil {
+			n.log.Error().Err(err).Msg("no admin socket: changing the log levels and pprof are unavailable")
+		} else {
+			serve("admin socket", ln, n.adminMux(true))
+			n.log.Info().Str("socket", n.cfg.AdminSocket).Msg("admin socket (root only) serves POST /logging and /debug/pprof/")
+		}
 	}
 	return stop, nil
 }
@@ -82,9 +100,18 @@ func (n *node) readiness(w http.ResponseWriter, r *http.Request) {
 	w.Write([]byte("ready\n"))
 }
 
-func (n *node) adminMux() *http.ServeMux {
+// adminMux is the admin endpoints: on TCP (privileged false) the
+// read-only ones, /config_dump (istioctl ztunnel-config reads it, as
+// ztunnel serves it on 15000) and GET /logging; on the admin socket also
+// POST /logging and /debug/pprof/ (profiles and traces show memory and
+// requests; cmdline shows the arguments).
+func (n *node) adminMux(privileged bool) *http.ServeMux {
 	mux := http.NewServeMux()
 	mux.HandleFunc("/config_dump", n.configDump)
+	if !privileged {
+		mux.HandleFunc("/logging", n.readOnlyLogging)
+		return mux
+	}
 	mux.HandleFunc("/logging", n.logging)
 	mux.HandleFunc("/debug/pprof/", pprof.Index)
 	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
@@ -207,6 +234,33 @@ func (n *node) configDump(w http.ResponseWriter, r *http.Request) {
 	enc.Encode(d)
 }
 
+// readOnlyLogging is /logging on the TCP admin address: GET reads the
+// levels; changing them is refused with where to do it.
+func (n *node) readOnlyLogging(w http.ResponseWriter, r *http.Request) {
+	if r.Method != http.MethodGet {
+		msg := "the log levels are changed on the admin socket only (root): meshtun admin -X POST '/logging?level=…'"
+		if n.cfg.AdminSocket != "" {
+			msg += " (socket " + n.cfg.AdminSocket + ")"
+		} else {
+			msg += "; this node has none (listen.adminSocket is empty)"
+		}
+		http.Error(w, msg, http.StatusForbidden)
+		return
+	}
+	n.logging(w, r)
+}
+
+// LogLevelChangedMessage is logged (level warn, whatever the log level)
+// before a POST /logging applies.
+const LogLevelChangedMessage = "log settings changed"
+
+func clipQuery(s string) string {
+	if len(s) > 64 {
+		return s[:64] + "…"
+	}
+	return s
+}
+
 // logging reads (GET) or sets (POST, PUT) the log levels:
 // ?level=trace|debug|info|warn|error sets the node's level, and
 // ?access=on|off turns the access log on or off.
@@ -215,23 +269,48 @@ func (n *node) logging(w http.ResponseWriter, r *http.Request) {
 	case http.MethodGet:
 	case http.MethodPost, http.MethodPut:
 		q := r.URL.Query()
-		if v := q.Get("level"); v != "" {
-			lvl, err := zerolog.ParseLevel(v)
-			if err != nil || v == "" {
-				http.Error(w, fmt.Sprintf("level %q: want trace, debug, info, warn or error", v), http.StatusBadRequest)
+		lvlArg, accessArg := q.Get("level"), q.Get("access")
+		var lvl zerolog.Level
+		if lvlArg != "" {
+			var err error
+			lvl, err = zerolog.ParseLevel(lvlArg)
+			if err != nil || lvl < zerolog.TraceLevel || lvl > zerolog.ErrorLevel {
+				http.Error(w, fmt.Sprintf("level %q: want trace, debug, info, warn or error", clipQuery(lvlArg)), http.StatusBadRequest)
 				return
 			}
-			zerolog.SetGlobalLevel(lvl)
-			n.log.Warn().Str("level", lvl.String()).Msg("log level changed")
 		}
-		if v := q.Get("access"); v != "" {
-			switch v {
-			case "on", "off":
-				n.px.SetAccessLog(v == "on")
-			default:
-				http.Error(w, fmt.Sprintf("access %q: want on or off", v), http.StatusBadRequest)
-				return
-			}
+		switch accessArg {
+		case "", "on", "off":
+		default:
+			http.Error(w, fmt.Sprintf("access %q: want on or off", clipQuery(accessArg)), http.StatusBadRequest)
+			return
+		}
+		if accessArg != "" && n.px == nil {
+			http.Error(w, "no proxy running: the access log cannot be changed", http.StatusServiceUnavailable)
+			return
+		}
+		if lvlArg == "" && accessArg == "" {
+			break
+		}
+		// Logged before it applies, and whatever the level: a change that
+		// silences the log is itself on record (with who made it).
+		ev := n.log.WithLevel(zerolog.NoLevel).Str(zerolog.LevelFieldName, zerolog.WarnLevel.String()).
+			Str("was_level", zerolog.GlobalLevel().String())
+		if lvlArg != "" {
+			ev = ev.Str("new_level", lvl.String())
+		}
+		if accessArg != "" {
+			ev = ev.Str("access_log", accessArg)
+		}
+		if p, ok := peerOf(r.Context()); ok {
+			ev = ev.Uint32("by_uid", p.Uid).Int32("by_pid", p.Pid)
+		}
+		ev.Msg(LogLevelChangedMessage)
+		if lvlArg != "" {
+			zerolog.SetGlobalLevel(lvl)
+		}
+		if accessArg != "" {
+			n.px.SetAccessLog(accessArg == "on")
 		}
 	default:
 		http.Error(w, "GET to read, POST ?level=…&access=on|off to set", http.StatusMethodNotAllowed)

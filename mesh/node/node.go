@@ -109,9 +109,14 @@ type Config struct {
 	// acknowledgment (stack.Config.AckDelay); 0 writes every ACK at once.
 	// The binary's default is DefaultAckDelay.
 	AckDelay time.Duration
-	// AdminAddr is where the admin HTTP server listens (/config_dump,
-	// /logging, /debug/pprof/); empty disables it. Keep it on loopback.
+	// AdminAddr is where the read-only admin HTTP server listens
+	// (/config_dump, GET /logging); empty disables it. Keep it on
+	// loopback. The rest is on AdminSocket.
 	AdminAddr string
+	// AdminSocket is the path of the admin Unix socket (root only), which
+	// serves the endpoints that change the node or profile it; empty
+	// disables them.
+	AdminSocket string
 	// ConfigDumpFormat is the shape /config_dump has without ?format=:
 	// "meshtun" (the default, when empty) or "ztunnel" (ztunnel's JSON,
 	// for tools that read ztunnel's admin endpoint).
@@ -438,6 +443,7 @@ type node struct {
 	local        *tun.LocalDelivery // nil: inbound HBONE on the netstack
 	sink         *spoofSink
 	ready        atomic.Bool
+	httpAddrs    map[string]string // bound addresses of serveHTTP, by endpoint
 }
 
 // podPrefixes returns the host prefixes of the workloads' addresses.

@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
@@ -16,6 +17,7 @@ import (
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
 
+	"github.com/meshtun/meshtun/mesh/node"
 	"github.com/meshtun/meshtun/test/cluster"
 	"github.com/meshtun/meshtun/test/noderun"
 )
@@ -195,6 +197,42 @@ func TestOperations(t *testing.T) {
 		code, body = httpGet(t, n1.NS, "http://127.0.0.1:15000/logging")
 		if code != 200 || !strings.Contains(body, `"access":"on"`) {
 			t.Fatalf("logging: %d %s", code, body)
+		}
+		// Changing it: refused on TCP, which any local process reaches;
+		// through the node's root-only admin socket, and logged.
+		resp, err := (&http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{
+			DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+				return n1.NS.Dial(ctx, network, addr)
+			},
+		}}).Post("http://127.0.0.1:15000/logging?access=off", "", nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusForbidden {
+			t.Fatalf("POST /logging?access=off on the TCP admin port: %d, want 403", resp.StatusCode)
+		}
+		sock := noderun.AdminSocket(filepath.Dir(cfg), n1)
+		mark := m1.Len()
+		resp, err = (&http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{
+			DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+				var d net.Dialer
+				return d.DialContext(ctx, "unix", sock)
+			},
+		}}).Post("http://admin/logging?access=on", "", nil)
+		if err != nil {
+			t.Fatalf("admin socket %s: %v", sock, err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("POST /logging?access=on on the admin socket: %d", resp.StatusCode)
+		}
+		lctx, lcancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer lcancel()
+		if _, err := m1.WaitLogSince(lctx, mark, func(l noderun.Line) bool {
+			return l.Str("message") == node.LogLevelChangedMessage && l.Str("access_log") == "on"
+		}); err != nil {
+			t.Fatalf("no %q log line: %v", node.LogLevelChangedMessage, err)
 		}
 	})
 

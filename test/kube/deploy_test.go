@@ -43,7 +43,7 @@ func TestDeployDirIsKubernetesOnly(t *testing.T) {
 	}
 	for _, m := range ms {
 		switch g := m.Obj.GroupVersionKind().Group; g {
-		case "", "apps", "rbac.authorization.k8s.io":
+		case "", "apps", "rbac.authorization.k8s.io", "networking.k8s.io":
 		default:
 			t.Errorf("%s: %s of group %q is not a built-in Kubernetes object", m.File, m.Obj.GetKind(), g)
 		}

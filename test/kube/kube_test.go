@@ -96,6 +96,7 @@ func nodeConfig(t testing.TB, ms []Manifest, dir string, ca netip.AddrPort) stri
 		}
 		y = strings.ReplaceAll(y, addr, ca.String())
 		y = strings.ReplaceAll(y, caDir, filepath.Join(dir, "ca"))
+		y = strings.ReplaceAll(y, "/var/run/meshtun/admin.sock", filepath.Join(dir, "admin.sock"))
 		path := filepath.Join(dir, "mesh.yaml")
 		if err := os.WriteFile(path, []byte(y), 0o644); err != nil {
 			t.Fatal(err)

@@ -89,10 +89,22 @@ type Mesh struct {
 	CAExtra string
 }
 
+// AdminSocket is the admin socket (POST /logging, /debug/pprof/) of node n
+// in the config WriteConfig writes to dir; empty (none) if its path would
+// be longer than a Unix socket's 107 bytes.
+func AdminSocket(dir string, n *cluster.Node) string {
+	p := filepath.Join(dir, "admin", NodeName(n)+".sock")
+	if len(p) > 107 {
+		return ""
+	}
+	return p
+}
+
 // WriteConfig writes the config file of cluster c and mesh m to
 // dir/mesh.yaml, with the CA directory dir/ca, and returns its path.
-// Every node has a TUN meshtun0, uplink eth0 and the admin server on
-// 127.0.0.1:15000 of its own namespace.
+// Every node has a TUN meshtun0, uplink eth0, the admin server on
+// 127.0.0.1:15000 of its own namespace and its admin socket at
+// AdminSocket(dir, node).
 func WriteConfig(c *cluster.Cluster, dir string, m Mesh) (string, error) {
 	var b strings.Builder
 	fmt.Fprintf(&b, "# Generated for cluster %s.\ntrustDomain: cluster.local\nca: {dir: %q", c.Name, filepath.Join(dir, "ca"))
@@ -110,7 +122,7 @@ func WriteConfig(c *cluster.Cluster, dir string, m Mesh) (string, error) {
 	b.WriteString(m.CAExtra)
 	b.WriteString("}\nnodes:\n")
 	for _, n := range c.Nodes {
-		fmt.Fprintf(&b, "  - {name: %s, tun: {name: meshtun0, mtu: 1500}, uplinks: [%s], listen: {admin: \"127.0.0.1:15000\"}}\n", NodeName(n), n.Uplink)
+		fmt.Fprintf(&b, "  - {name: %s, tun: {name: meshtun0, mtu: 1500}, uplinks: [%s], listen: {admin: \"127.0.0.1:15000\", adminSocket: %q}}\n", NodeName(n), n.Uplink, AdminSocket(dir, n))
 	}
 	b.WriteString("workloads:\n")
 	for _, n := range c.Nodes {

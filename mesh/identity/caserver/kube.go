@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"sync"
+	"time"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"google.golang.org/grpc/metadata"
@@ -72,7 +74,19 @@ type KubeMode struct {
 	Audience string
 	// NodeAccounts are the "<namespace>/<service account>" of node proxies.
 	NodeAccounts []string
+	// ReviewTTL is how long a successful TokenReview is reused
+	// (DefaultReviewTTL if zero); ReviewCacheSize bounds the reviews kept
+	// (DefaultReviewCacheSize if zero). Failures are not reused.
+	ReviewTTL       time.Duration
+	ReviewCacheSize int
+
+	cacheOnce sync.Once
+	cache     *reviewCache
 }
+
+// maxTokenLen bounds a bearer token: a projected service-account token is
+// about 1 KiB; a longer one is refused without a TokenReview.
+const maxTokenLen = 8 << 10
 
 // Authenticate implements Authenticator.
 func (k *KubeMode) Authenticate(ctx context.Context) (Caller, error) {
@@ -86,7 +100,10 @@ func (k *KubeMode) Authenticate(ctx context.Context) (Caller, error) {
 	if token == "" {
 		return Caller{}, ErrNoCredential
 	}
-	r, err := k.Reviewer.Review(ctx, token, []string{k.Audience})
+	if len(token) > maxTokenLen {
+		return Caller{}, fmt.Errorf("bearer token of %d bytes; at most %d", len(token), maxTokenLen)
+	}
+	r, err := k.reviews().review(ctx, k.Reviewer, token, []string{k.Audience})
 	if err != nil {
 		return Caller{}, fmt.Errorf("token review failed: %v", err)
 	}
@@ -123,6 +140,12 @@ func (k *KubeMode) Authenticate(ctx context.Context) (Caller, error) {
 		return Caller{}, fmt.Errorf("%s: token names node %s, but pod %s/%s is on node %s", who, n, ns, podName, pod.Node)
 	}
 	return Caller{Node: pod.Node, Who: fmt.Sprintf("%s (pod %s/%s)", who, ns, podName)}, nil
+}
+
+// reviews returns the TokenReview cache, made on first use.
+func (k *KubeMode) reviews() *reviewCache {
+	k.cacheOnce.Do(func() { k.cache = newReviewCache(k.ReviewTTL, k.ReviewCacheSize) })
+	return k.cache
 }
 
 func first(s []string) string {

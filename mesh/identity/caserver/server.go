@@ -32,6 +32,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 	pb "istio.io/api/security/v1alpha1"
@@ -87,6 +88,8 @@ type Config struct {
 	// MaxTTL caps the validity a client asks for; the CA's SVID TTL caps
 	// it too.
 	MaxTTL time.Duration
+	// Limits bound connections, streams and message sizes.
+	Limits Limits
 	Logger zerolog.Logger
 }
 
@@ -99,6 +102,7 @@ type Server struct {
 	cert *tls.Certificate // the service's own certificate
 	root *x509.Certificate
 	grpc *grpc.Server
+	lis  *limitListener
 }
 
 // New returns a Server for cfg.
@@ -111,6 +115,7 @@ func New(cfg Config) (*Server, error) {
 	case cfg.Authorizer == nil:
 		return nil, errors.New("caserver: no authorizer")
 	}
+	cfg.Limits = cfg.Limits.withDefaults()
 	return &Server{cfg: cfg}, nil
 }
 
@@ -152,14 +157,44 @@ func (s *Server) TLSConfig() *tls.Config {
 	}
 }
 
-// Serve serves gRPC over TLS on lis until Stop.
+// Serve serves gRPC over TLS on lis until Stop, within the Limits.
 func (s *Server) Serve(lis net.Listener) error {
-	g := grpc.NewServer(grpc.Creds(credentials.NewTLS(s.TLSConfig())))
+	l := s.cfg.Limits
+	g := grpc.NewServer(grpc.Creds(credentials.NewTLS(s.TLSConfig())),
+		grpc.ConnectionTimeout(l.HandshakeTimeout),
+		grpc.MaxConcurrentStreams(l.MaxConcurrentStreams),
+		grpc.MaxRecvMsgSize(l.MaxRecvMsgSize),
+		grpc.MaxHeaderListSize(l.MaxHeaderListSize),
+		grpc.KeepaliveParams(keepalive.ServerParameters{MaxConnectionIdle: l.IdleTimeout}))
 	pb.RegisterIstioCertificateServiceServer(g, s)
+	ll := newLimitListener(lis, l.MaxConnections, l.MaxConnectionsPerSource, s.cfg.Logger)
 	s.mu.Lock()
-	s.grpc = g
+	s.grpc, s.lis = g, ll
 	s.mu.Unlock()
-	return g.Serve(lis)
+	return g.Serve(ll)
+}
+
+// OpenConnections returns the number of connections open (0 before Serve).
+func (s *Server) OpenConnections() int {
+	s.mu.Lock()
+	ll := s.lis
+	s.mu.Unlock()
+	if ll == nil {
+		return 0
+	}
+	return ll.Open()
+}
+
+// RefusedConnections returns the number of connections refused by the
+// connection limits.
+func (s *Server) RefusedConnections() uint64 {
+	s.mu.Lock()
+	ll := s.lis
+	s.mu.Unlock()
+	if ll == nil {
+		return 0
+	}
+	return ll.refused.Load()
 }
 
 // Stop stops serving and closes open connections.
@@ -186,36 +221,44 @@ func (s *Server) CreateCertificate(ctx context.Context, req *pb.IstioCertificate
 		}
 	}
 	refuse := func(code codes.Code, caller Caller, reason string) error {
-		ev := log.Warn().Str("from", from).Str("asked_for", asked).Str("reason", reason)
+		ev := log.Warn().Str("from", from).Str("asked_for", clip(asked)).Str("reason", clip(reason))
 		if caller.Who != "" {
-			ev = ev.Str("caller", caller.Who).Str("node", caller.Node)
+			ev = ev.Str("caller", clip(caller.Who)).Str("node", clip(caller.Node))
 		}
 		ev.Msg(RefusedMessage)
-		return status.Error(code, reason)
+		return status.Error(code, clip(reason))
 	}
 
-	caller, err := s.authenticate(ctx)
-	if err != nil {
-		return nil, refuse(codes.Unauthenticated, Caller{}, err.Error())
+	// The checks that need nothing but the request come first: a malformed
+	// request costs no TokenReview.
+	if len(asked) > maxIDLen {
+		return nil, refuse(codes.InvalidArgument, Caller{}, fmt.Sprintf("identity asked for is %d bytes; a SPIFFE ID has at most %d", len(asked), maxIDLen))
 	}
 	csr, err := parseCSR(req.GetCsr())
 	if err != nil {
-		return nil, refuse(codes.InvalidArgument, caller, err.Error())
+		return nil, refuse(codes.InvalidArgument, Caller{}, err.Error())
 	}
 	if len(csr.URIs) != 1 || len(csr.DNSNames)+len(csr.IPAddresses)+len(csr.EmailAddresses) > 0 {
-		return nil, refuse(codes.InvalidArgument, caller, fmt.Sprintf("CSR must have exactly one URI SAN and no other SAN (has %d URI, %d DNS, %d IP, %d e-mail)",
+		return nil, refuse(codes.InvalidArgument, Caller{}, fmt.Sprintf("CSR must have exactly one URI SAN and no other SAN (has %d URI, %d DNS, %d IP, %d e-mail)",
 			len(csr.URIs), len(csr.DNSNames), len(csr.IPAddresses), len(csr.EmailAddresses)))
 	}
 	san := csr.URIs[0].String()
 	if asked == "" {
 		asked = san // no impersonation: the CSR names the identity
 	}
+	if len(asked) > maxIDLen {
+		return nil, refuse(codes.InvalidArgument, Caller{}, fmt.Sprintf("CSR SAN is %d bytes; a SPIFFE ID has at most %d", len(asked), maxIDLen))
+	}
 	id, err := spiffeid.FromString(asked)
 	if err != nil {
-		return nil, refuse(codes.InvalidArgument, caller, fmt.Sprintf("identity asked for is not a SPIFFE ID: %v", err))
+		return nil, refuse(codes.InvalidArgument, Caller{}, fmt.Sprintf("identity asked for is not a SPIFFE ID: %v", err))
 	}
 	if san != id.String() {
-		return nil, refuse(codes.PermissionDenied, caller, fmt.Sprintf("CSR SAN %s differs from the identity asked for %s", san, id))
+		return nil, refuse(codes.PermissionDenied, Caller{}, fmt.Sprintf("CSR SAN %s differs from the identity asked for %s", san, id))
+	}
+	caller, err := s.authenticate(ctx)
+	if err != nil {
+		return nil, refuse(codes.Unauthenticated, Caller{}, err.Error())
 	}
 	if err := s.cfg.Authorizer.Authorize(ctx, caller, id); err != nil {
 		return nil, refuse(codes.PermissionDenied, caller, err.Error())
@@ -226,7 +269,7 @@ func (s *Server) CreateCertificate(ctx context.Context, req *pb.IstioCertificate
 	}
 	chain, err := s.cfg.CA.Sign(csr.PublicKey, id, ttl)
 	if err != nil {
-		log.Error().Err(err).Str("caller", caller.Who).Str("asked_for", asked).Msg("certificate signing failed")
+		log.Error().Err(err).Str("caller", clip(caller.Who)).Str("asked_for", clip(asked)).Msg("certificate signing failed")
 		return nil, status.Error(codes.Internal, "signing failed")
 	}
 	log.Info().Str("caller", caller.Who).Str("node", caller.Node).Str("identity", id.String()).
@@ -261,6 +304,10 @@ func (s *Server) authenticate(ctx context.Context) (Caller, error) {
 	return Caller{}, errors.New("no credential: neither a node certificate nor a bearer token")
 }
 
+// maxIDLen is the longest SPIFFE ID (the SPIFFE specification's URI
+// limit).
+const maxIDLen = 2048
+
 func parseCSR(p string) (*x509.CertificateRequest, error) {
 	b, _ := pem.Decode([]byte(p))
 	if b == nil || b.Type != "CERTIFICATE REQUEST" {
@@ -270,20 +317,20 @@ func parseCSR(p string) (*x509.CertificateRequest, error) {
 	if err != nil {
 		return nil, fmt.Errorf("CSR: %w", err)
 	}
-	if err := csr.CheckSignature(); err != nil {
-		return nil, fmt.Errorf("CSR signature: %w", err)
-	}
 	switch k := csr.PublicKey.(type) {
 	case *ecdsa.PublicKey:
 		if !slices.Contains([]elliptic.Curve{elliptic.P256(), elliptic.P384()}, k.Curve) {
 			return nil, fmt.Errorf("CSR key on curve %s; want P-256 or P-384", k.Curve.Params().Name)
 		}
 	case *rsa.PublicKey:
-		if k.N.BitLen() < 2048 {
-			return nil, fmt.Errorf("CSR RSA key of %d bits; want at least 2048", k.N.BitLen())
+		if k.N.BitLen() < 2048 || k.N.BitLen() > 4096 {
+			return nil, fmt.Errorf("CSR RSA key of %d bits; want 2048 to 4096", k.N.BitLen())
 		}
 	default:
 		return nil, fmt.Errorf("CSR key %T; want ECDSA or RSA", k)
+	}
+	if err := csr.CheckSignature(); err != nil {
+		return nil, fmt.Errorf("CSR signature: %w", err)
 	}
 	return csr, nil
 }
