@@ -1,0 +1,91 @@
+// Command probe is the test image's server and client (meshtun-probe:dev):
+//
+//	probe serve [-tcp :8080] [-http :8081]   echo every TCP connection back; HTTP 200 on /
+//	probe send -to host:port -msg TEXT        send TEXT, half-close, print what comes back
+//	probe sleep                               wait forever (a pod to kubectl exec into)
+package main
+
+import (
+	"flag"
+	"fmt"
+	"io"
+	"log"
+	"net"
+	"net/http"
+	"os"
+	"time"
+)
+
+func main() {
+	log.SetFlags(log.Ltime | log.Lmicroseconds)
+	if len(os.Args) < 2 {
+		log.Fatal("usage: probe serve|send|sleep")
+	}
+	fs := flag.NewFlagSet(os.Args[1], flag.ExitOnError)
+	switch os.Args[1] {
+	case "serve":
+		tcp := fs.String("tcp", ":8080", "TCP echo listen address")
+		httpAddr := fs.String("http", ":8081", "HTTP listen address")
+		fs.Parse(os.Args[2:])
+		serve(*tcp, *httpAddr)
+	case "send":
+		to := fs.String("to", "", "host:port")
+		msg := fs.String("msg", "", "what to send")
+		timeout := fs.Duration("timeout", 10*time.Second, "whole exchange")
+		fs.Parse(os.Args[2:])
+		if err := send(*to, *msg, *timeout); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
+	case "sleep":
+		select {}
+	default:
+		log.Fatalf("unknown command %q", os.Args[1])
+	}
+}
+
+func serve(tcpAddr, httpAddr string) {
+	ln, err := net.Listen("tcp", tcpAddr)
+	if err != nil {
+		log.Fatal(err)
+	}
+	go func() {
+		http.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) { fmt.Fprintf(w, "ok from %s\n", r.Host) })
+		log.Fatal(http.ListenAndServe(httpAddr, nil))
+	}()
+	log.Printf("echo on %s, http on %s", tcpAddr, httpAddr)
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			log.Fatal(err)
+		}
+		go func() {
+			defer c.Close()
+			c.SetDeadline(time.Now().Add(time.Minute))
+			n, err := io.Copy(c, io.LimitReader(c, 1<<20))
+			log.Printf("echoed %d bytes to %s (%v)", n, c.RemoteAddr(), err)
+		}()
+	}
+}
+
+func send(to, msg string, timeout time.Duration) error {
+	c, err := net.DialTimeout("tcp", to, timeout)
+	if err != nil {
+		return fmt.Errorf("dial %s: %w", to, err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(timeout))
+	if _, err := io.WriteString(c, msg); err != nil {
+		return fmt.Errorf("write to %s: %w", to, err)
+	}
+	c.(*net.TCPConn).CloseWrite()
+	got, err := io.ReadAll(io.LimitReader(c, 1<<20))
+	if err != nil {
+		return fmt.Errorf("read from %s: %w", to, err)
+	}
+	if string(got) != msg {
+		return fmt.Errorf("%s echoed %q, sent %q", to, got, msg)
+	}
+	fmt.Printf("%s\n", got)
+	return nil
+}
