@@ -9,7 +9,7 @@ PKGS    := ./...
 # here, test/noderun.BuildTags, deploy/image.
 GOTAGS  := grpcnotrace
 
-.PHONY: all build test unit e2e vet fuzz bench bench-kube demo mutate clean image image-push image-test
+.PHONY: all build test unit e2e vet fuzz bench bench-kube demo mutate clean image image-push image-test kind-up kind-down
 
 all: build
 
@@ -45,6 +45,7 @@ test: vet build image-test
 	cd test/interop && $(GO) vet ./... && $(GO) test -count=1 -timeout 10m ./...
 	cd test/spire && $(GO) vet ./... && $(GO) test -count=1 -timeout 30m ./...
 	cd test/kube && $(GO) vet ./... && MESHTUN_TEST_ISTIOD=1 $(GO) test -count=1 -timeout 90m ./...
+	cd test/kind && $(GO) vet ./... && $(GO) test -count=1 -timeout 40m ./...
 
 # mutate runs mutation testing over the packages whose logic decides
 # security and routing, one package at a time, at low priority: gremlins
@@ -125,6 +126,20 @@ image-push:
 # and a push to a registry on loopback.
 image-test:
 	cd deploy/image && $(GO) vet ./... && GO=$(GO) $(GO) test -count=1 -timeout 15m ./...
+
+# kind-up creates the kind cluster `meshtun` (deploy/kind/cluster.yaml:
+# one control plane, two workers, dual stack) on rootful podman, offline:
+# the node image is assembled from parts built from the Go module proxy and
+# Debian's archive and cached in ~/.cache/meshtun-test/kind (docs/kind.md;
+# about 25 CPU-minutes the first time), then builds and loads meshtun:dev,
+# applies deploy/kubernetes/ as docs/kubernetes.md says and waits until the
+# DaemonSet is ready on every node. kind-down deletes the cluster and its
+# podman network. The kubeconfig is printed by kind-up.
+kind-up:
+	cd test/kind && $(GO) run ./cmd/kindctl up meshtun
+
+kind-down:
+	cd test/kind && $(GO) run ./cmd/kindctl down meshtun
 
 clean:
 	rm -rf bin

@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"time"
 )
 
@@ -149,5 +150,11 @@ func Attach(ctx context.Context, logf Logf, name, dir string) (*Cluster, error) 
 		return nil, err
 	}
 	t := Toolchain{Kind: filepath.Join(cache, "kind-"+KindVersion), Kube: filepath.Join(cache, "k8s-"+KubernetesVersion, "bin")}
-	return &Cluster{Name: name, Network: name, Tools: t, dir: dir, logf: logf, Kubeconfig: filepath.Join(dir, "kubeconfig")}, nil
+	c := &Cluster{Name: name, Network: name, Tools: t, dir: dir, logf: logf, Kubeconfig: filepath.Join(dir, "kubeconfig")}
+	out, err := c.Podman(ctx, "network", "inspect", c.Network, "--format", "{{.NetworkInterface}}")
+	if err != nil {
+		return c, err
+	}
+	c.Bridge = strings.TrimSpace(string(out))
+	return c, nil
 }
