@@ -12,6 +12,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -48,7 +49,7 @@ func run(m *testing.M) int {
 			logf("FAIL: attach to %s: %v", name, err)
 			return 1
 		}
-		return m.Run()
+		return runTests(m)
 	}
 	// A name of this run's own: a user's cluster (`meshtun`, make kind-up)
 	// and concurrent runs are never touched.
@@ -82,7 +83,19 @@ func run(m *testing.M) int {
 	}
 	logf("cluster %s up with meshtun in %s", name, time.Since(start).Round(time.Second))
 	cl = c
-	return m.Run()
+	return runTests(m)
+}
+
+// runTests runs the tests and removes their namespaces (from a cluster
+// that stays, MESHTUN_KIND_CLUSTER).
+func runTests(m *testing.M) int {
+	code := m.Run()
+	if os.Getenv("MESHTUN_KIND_KEEP") != "1" {
+		for _, ns := range sharedNamespaces {
+			cl.Kubectl(context.Background(), "delete", "namespace", ns, "--wait=false")
+		}
+	}
+	return code
 }
 
 // diagnose prints what explains a cluster that did not come up.
@@ -220,9 +233,8 @@ spec:
 `
 
 // deployWorkloads creates the namespace (in the mesh if mesh) and waits
-// until its pods are ready; the namespace goes when the test ends.
-func deployWorkloads(t *testing.T, prefix string, mesh bool) *workloads {
-	t.Helper()
+// until its pods are ready; run deletes the namespaces at the end.
+func deployWorkloads(prefix string, mesh bool) (*workloads, error) {
 	ctx := context.Background()
 	w := &workloads{ns: prefix + "-" + randHex(3), serverNode: cl.Name + "-worker", farNode: cl.Name + "-worker2"}
 	labels := "{}"
@@ -230,42 +242,38 @@ func deployWorkloads(t *testing.T, prefix string, mesh bool) *workloads {
 		labels = "{istio.io/dataplane-mode: ambient}"
 	}
 	y := strings.NewReplacer("{{NS}}", w.ns, "{{LABELS}}", labels, "{{W1}}", w.serverNode, "{{W2}}", w.farNode).Replace(workloadsYAML)
+	sharedNamespaces = append(sharedNamespaces, w.ns)
 	if _, err := cl.KubectlIn(ctx, y, "apply", "-f", "-"); err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
-	t.Cleanup(func() {
-		if os.Getenv("MESHTUN_KIND_KEEP") != "1" {
-			cl.Kubectl(context.Background(), "delete", "namespace", w.ns, "--wait=false")
-		}
-	})
 	if _, err := cl.Kubectl(ctx, "-n", w.ns, "wait", "--for=condition=Ready", "pod", "--all", "--timeout=5m"); err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
 	for _, p := range []*pod{&w.server, &w.near, &w.far} {
 		p.name = map[*pod]string{&w.server: "server", &w.near: "near", &w.far: "far"}[p]
 		out, err := cl.Kubectl(ctx, "-n", w.ns, "get", "pod", p.name, "-o", "jsonpath={.status.podIPs[*].ip}")
 		if err != nil {
-			t.Fatal(err)
+			return nil, err
 		}
 		for _, s := range strings.Fields(string(out)) {
 			a, err := netip.ParseAddr(s)
 			if err != nil {
-				t.Fatalf("pod %s/%s IP %q: %v", w.ns, p.name, s, err)
+				return nil, fmt.Errorf("pod %s/%s IP %q: %v", w.ns, p.name, s, err)
 			}
 			p.ips = append(p.ips, a)
 		}
 		if !p.ip(false).IsValid() || !p.ip(true).IsValid() {
-			t.Fatalf("pod %s/%s has IPs %v, want both families", w.ns, p.name, p.ips)
+			return nil, fmt.Errorf("pod %s/%s has IPs %v, want both families", w.ns, p.name, p.ips)
 		}
 	}
 	out, err := cl.Kubectl(ctx, "-n", w.ns, "get", "svc", "echo", "-o", "jsonpath={.spec.clusterIPs[*]}")
 	if err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
 	for _, s := range strings.Fields(string(out)) {
 		a, err := netip.ParseAddr(s)
 		if err != nil {
-			t.Fatalf("service %s/echo cluster IP %q: %v", w.ns, s, err)
+			return nil, fmt.Errorf("service %s/echo cluster IP %q: %v", w.ns, s, err)
 		}
 		if a.Is6() {
 			w.svcV6 = a
@@ -274,9 +282,9 @@ func deployWorkloads(t *testing.T, prefix string, mesh bool) *workloads {
 		}
 	}
 	if !w.svcV4.IsValid() || !w.svcV6.IsValid() {
-		t.Fatalf("service %s/echo has cluster IPs %q, want both families", w.ns, out)
+		return nil, fmt.Errorf("service %s/echo has cluster IPs %q, want both families", w.ns, out)
 	}
-	return w
+	return w, nil
 }
 
 // send runs the probe client in pod from: it sends msg to to, half-closes
@@ -362,33 +370,9 @@ func lastN(r []accessRecord, n int) []accessRecord {
 // plaintext by the same capture (so the capture does see that path).
 func TestMesh(t *testing.T) {
 	ctx := context.Background()
-	mesh := deployWorkloads(t, "mesh", true)
-	plain := deployWorkloads(t, "plain", false)
+	mesh, plain := meshWorkloads(t)
 	td := "spiffe://cluster.local/ns/" + mesh.ns + "/sa/"
 	clientID, serverID := td+"client", td+"server"
-
-	// The node captures a pod after it is Running (an API watch, issue 21
-	// §3): wait until a first exchange of each client was proxied (its
-	// access record is there) before the capture starts.
-	for _, c := range []pod{mesh.near, mesh.far} {
-		deadline := time.Now().Add(2 * time.Minute)
-		for {
-			err := send(ctx, mesh.ns, c.name, netip.AddrPortFrom(mesh.server.ip(false), 8080), "warm-up")
-			if err == nil {
-				recs, lerr := accessLog(ctx, mesh.serverNode)
-				if lerr != nil {
-					t.Fatal(lerr)
-				}
-				if hasFrom(recs, c.ip(false), clientID) {
-					break
-				}
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("client %s/%s: no proxied exchange with the server within 2 minutes (last error %v)", mesh.ns, c.name, err)
-			}
-			time.Sleep(time.Second)
-		}
-	}
 
 	run := randHex(4)
 	type tc struct {
@@ -454,6 +438,62 @@ func TestMesh(t *testing.T) {
 	t.Logf("capture on %s: %d frames, %d bytes; plaintext control marker seen in %d frames", cl.Bridge, frames, nbytes, capture.Seen(plainMarker))
 }
 
+var (
+	sharedOnce       sync.Once
+	sharedMesh       *workloads
+	sharedPlain      *workloads
+	sharedErr        error
+	sharedNamespaces []string
+)
+
+// meshWorkloads deploys, once for all tests, the workloads of an ambient
+// namespace and of one outside the mesh, and waits until both mesh clients
+// are captured.
+func meshWorkloads(t *testing.T) (mesh, plain *workloads) {
+	sharedOnce.Do(func() {
+		sharedMesh, sharedErr = deployWorkloads("mesh", true)
+		if sharedErr == nil {
+			sharedPlain, sharedErr = deployWorkloads("plain", false)
+		}
+		if sharedErr == nil {
+			sharedErr = waitCaptured(sharedMesh)
+		}
+	})
+	if sharedErr != nil {
+		t.Fatal(sharedErr)
+	}
+	return sharedMesh, sharedPlain
+}
+
+// waitCaptured waits until a first exchange of each client of w was proxied
+// (its access record with the client's identity is on the server's node):
+// the node captures a pod after it is Running (an API watch; issue 21 §3),
+// and the tests' captures must start after that.
+func waitCaptured(w *workloads) error {
+	ctx := context.Background()
+	clientID := "spiffe://cluster.local/ns/" + w.ns + "/sa/client"
+	for _, c := range []pod{w.near, w.far} {
+		deadline := time.Now().Add(2 * time.Minute)
+		for {
+			err := send(ctx, w.ns, c.name, netip.AddrPortFrom(w.server.ip(false), 8080), "warm-up")
+			if err == nil {
+				recs, lerr := accessLog(ctx, w.serverNode)
+				if lerr != nil {
+					return lerr
+				}
+				if hasFrom(recs, c.ip(false), clientID) {
+					break
+				}
+			}
+			if time.Now().After(deadline) {
+				return fmt.Errorf("client %s/%s: no proxied exchange with the server within 2 minutes (last error %v)", w.ns, c.name, err)
+			}
+			time.Sleep(time.Second) // retry: the capture follows an API watch
+		}
+	}
+	return nil
+}
+
 func hasFrom(recs []accessRecord, src netip.Addr, srcID string) bool {
 	for _, r := range recs {
 		ap, err := netip.ParseAddrPort(r.SrcAddr)
@@ -462,4 +502,176 @@ func hasFrom(recs []accessRecord, src netip.Addr, srcID string) bool {
 		}
 	}
 	return false
+}
+
+// loopResult is probe loop's summary.
+type loopResult struct {
+	OK        int    `json:"ok"`
+	Fail      int    `json:"fail"`
+	MaxGapMs  int64  `json:"maxGapMs"`
+	LastError string `json:"lastError"`
+}
+
+// startLoop runs `probe loop` in pod from of ns for d in the background.
+func startLoop(ns, from string, to netip.AddrPort, msg string, d time.Duration) <-chan struct {
+	r   loopResult
+	err error
+} {
+	ch := make(chan struct {
+		r   loopResult
+		err error
+	}, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), d+2*time.Minute)
+		defer cancel()
+		out, err := cl.Kubectl(ctx, "-n", ns, "exec", from, "--", "/probe", "loop", "-to", to.String(), "-msg", msg, "-for", d.String())
+		var r loopResult
+		if err == nil {
+			err = json.Unmarshal(bytes.TrimSpace(out), &r)
+		}
+		ch <- struct {
+			r   loopResult
+			err error
+		}{r, err}
+	}()
+	return ch
+}
+
+// nodeProxyPod is the name of the meshtun pod on node, and its restarts.
+func nodeProxyPod(ctx context.Context, node string) (string, int, error) {
+	out, err := cl.Kubectl(ctx, "-n", "meshtun-system", "get", "pods", "-l", "app.kubernetes.io/name=meshtun",
+		"--field-selector", "spec.nodeName="+node, "-o", "jsonpath={.items[0].metadata.name} {.items[0].status.containerStatuses[0].restartCount}")
+	if err != nil {
+		return "", 0, err
+	}
+	var name string
+	var restarts int
+	if _, err := fmt.Sscan(string(out), &name, &restarts); err != nil {
+		return "", 0, fmt.Errorf("meshtun pod on %s: %q: %v", node, out, err)
+	}
+	return name, restarts, nil
+}
+
+// TestNodeProxyKilled: the far client's node proxy is killed with SIGKILL
+// (as the OOM killer would) while the client exchanges a marker with the
+// server every 100 ms: nothing crosses in plaintext while it is gone, the
+// kubelet restarts it and exchanges work again.
+func TestNodeProxyKilled(t *testing.T) {
+	ctx := context.Background()
+	mesh, _ := meshWorkloads(t)
+	marker := "MESHTUN-MARKER-" + randHex(4) + "-killed"
+	capture, err := kind.StartCapture(cl.Bridge, marker)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer capture.Stop()
+	_, restarts, err := nodeProxyPod(ctx, mesh.farNode)
+	if err != nil {
+		t.Fatal(err)
+	}
+	before, err := countFrom(ctx, mesh.serverNode, mesh.far.ip(false))
+	if err != nil {
+		t.Fatal(err)
+	}
+	loop := startLoop(mesh.ns, "far", netip.AddrPortFrom(mesh.server.ip(false), 8080), marker, 45*time.Second)
+	// The kill comes once the loop is exchanging: two more access records
+	// from the client on the server's node.
+	for deadline := time.Now().Add(time.Minute); ; {
+		n, err := countFrom(ctx, mesh.serverNode, mesh.far.ip(false))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n >= before+2 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the probe loop made no exchange within a minute (%d access records from the client, %d before)", n, before)
+		}
+		time.Sleep(300 * time.Millisecond) // the log is read again
+	}
+	out, err := cl.Podman(ctx, "exec", mesh.farNode, "pgrep", "-f", " node --kubernetes")
+	if err != nil {
+		t.Fatal(err)
+	}
+	pids := strings.Fields(string(out))
+	if len(pids) != 1 {
+		t.Fatalf("node %s: pgrep found %q, want one meshtun node process", mesh.farNode, out)
+	}
+	killed := time.Now()
+	if _, err := cl.Podman(ctx, "exec", mesh.farNode, "kill", "-9", pids[0]); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cl.Kubectl(ctx, "-n", "meshtun-system", "rollout", "status", "ds/meshtun", "--timeout=5m"); err != nil {
+		t.Fatal(err)
+	}
+	res := <-loop
+	if res.err != nil {
+		t.Fatalf("probe loop: %v", res.err)
+	}
+	_, after, err := nodeProxyPod(ctx, mesh.farNode)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if after <= restarts {
+		t.Fatalf("meshtun on %s: restart count %d after SIGKILL, was %d: the kill did not happen", mesh.farNode, after, restarts)
+	}
+	if n := capture.Seen(marker); n > 0 {
+		t.Errorf("marker crossed the kind network in plaintext in %d frames while the node proxy was down", n)
+	}
+	if err := send(ctx, mesh.ns, "far", netip.AddrPortFrom(mesh.server.ip(false), 8080), "after-kill"); err != nil {
+		t.Fatalf("after the restart: %v", err)
+	}
+	t.Logf("SIGKILL at %s: loop %d ok, %d failed, longest gap %d ms (last error %q)", killed.Format("15:04:05.000"), res.r.OK, res.r.Fail, res.r.MaxGapMs, res.r.LastError)
+}
+
+// TestRolloutRestart: `kubectl rollout restart ds/meshtun` while a client
+// exchanges a marker every 100 ms across nodes: no plaintext on the wire,
+// exchanges work again after, the longest gap is reported.
+func TestRolloutRestart(t *testing.T) {
+	ctx := context.Background()
+	mesh, _ := meshWorkloads(t)
+	marker := "MESHTUN-MARKER-" + randHex(4) + "-rollout"
+	capture, err := kind.StartCapture(cl.Bridge, marker)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer capture.Stop()
+	loop := startLoop(mesh.ns, "far", netip.AddrPortFrom(mesh.server.ip(false), 8080), marker, 2*time.Minute)
+	start := time.Now()
+	if _, err := cl.Kubectl(ctx, "-n", "meshtun-system", "rollout", "restart", "ds/meshtun"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cl.Kubectl(ctx, "-n", "meshtun-system", "rollout", "status", "ds/meshtun", "--timeout=10m"); err != nil {
+		t.Fatal(err)
+	}
+	rolled := time.Since(start)
+	res := <-loop
+	if res.err != nil {
+		t.Fatalf("probe loop: %v", res.err)
+	}
+	if n := capture.Seen(marker); n > 0 {
+		t.Errorf("marker crossed the kind network in plaintext in %d frames during the rollout", n)
+	}
+	if res.r.OK == 0 {
+		t.Fatalf("no exchange succeeded during or after the rollout: %+v", res.r)
+	}
+	if err := send(ctx, mesh.ns, "far", netip.AddrPortFrom(mesh.server.ip(false), 8080), "after-rollout"); err != nil {
+		t.Fatalf("after the rollout: %v", err)
+	}
+	t.Logf("rollout of 3 nodes took %s; loop %d ok, %d failed, longest gap %d ms (last error %q)", rolled.Round(time.Second), res.r.OK, res.r.Fail, res.r.MaxGapMs, res.r.LastError)
+}
+
+// countFrom is the number of access records on node from src.
+func countFrom(ctx context.Context, node string, src netip.Addr) (int, error) {
+	recs, err := accessLog(ctx, node)
+	if err != nil {
+		return 0, err
+	}
+	n := 0
+	for _, r := range recs {
+		if ap, err := netip.ParseAddrPort(r.SrcAddr); err == nil && ap.Addr().Unmap() == src {
+			n++
+		}
+	}
+	return n, nil
 }

@@ -2,6 +2,7 @@
 //
 //	probe serve [-tcp :8080] [-http :8081]   echo every TCP connection back; HTTP 200 on /
 //	probe send -to host:port -msg TEXT        send TEXT, half-close, print what comes back
+//	probe loop -to host:port -msg TEXT -for 60s  exchange TEXT every 100 ms, print a JSON summary
 //	probe sleep                               wait forever (a pod to kubectl exec into)
 package main
 
@@ -15,6 +16,9 @@ import (
 	"os"
 	"time"
 )
+
+// quiet leaves out the echo (loop prints one summary instead).
+var quiet bool
 
 func main() {
 	log.SetFlags(log.Ltime | log.Lmicroseconds)
@@ -37,6 +41,14 @@ func main() {
 			fmt.Fprintln(os.Stderr, err)
 			os.Exit(1)
 		}
+	case "loop":
+		to := fs.String("to", "", "host:port")
+		msg := fs.String("msg", "", "what to send on each connection")
+		dur := fs.Duration("for", time.Minute, "how long to loop")
+		every := fs.Duration("every", 100*time.Millisecond, "pause between connections")
+		fs.Parse(os.Args[2:])
+		quiet = true
+		loop(*to, *msg, *dur, *every)
 	case "sleep":
 		select {}
 	default:
@@ -68,6 +80,34 @@ func serve(tcpAddr, httpAddr string) {
 	}
 }
 
+// loop exchanges msg with to on a new connection every interval for d and
+// prints one JSON summary: successes, failures, and the longest time
+// without a successful exchange.
+func loop(to, msg string, d, every time.Duration) {
+	start := time.Now()
+	lastOK := start
+	var ok, fail int
+	var maxGap time.Duration
+	var lastErr string
+	for time.Since(start) < d {
+		if err := send(to, msg, 2*time.Second); err != nil {
+			fail++
+			lastErr = err.Error()
+		} else {
+			ok++
+			if g := time.Since(lastOK); g > maxGap {
+				maxGap = g
+			}
+			lastOK = time.Now()
+		}
+		time.Sleep(every)
+	}
+	if g := time.Since(lastOK); g > maxGap {
+		maxGap = g
+	}
+	fmt.Printf("{\"ok\": %d, \"fail\": %d, \"maxGapMs\": %d, \"lastError\": %q}\n", ok, fail, maxGap.Milliseconds(), lastErr)
+}
+
 func send(to, msg string, timeout time.Duration) error {
 	c, err := net.DialTimeout("tcp", to, timeout)
 	if err != nil {
@@ -86,6 +126,8 @@ func send(to, msg string, timeout time.Duration) error {
 	if string(got) != msg {
 		return fmt.Errorf("%s echoed %q, sent %q", to, got, msg)
 	}
-	fmt.Printf("%s\n", got)
+	if !quiet {
+		fmt.Printf("%s\n", got)
+	}
 	return nil
 }
