@@ -675,3 +675,127 @@ func countFrom(ctx context.Context, node string, src netip.Addr) (int, error) {
 	}
 	return n, nil
 }
+
+const istioCRDs = `apiVersion: apiextensions.k8s.io/v1
+kind: CustomResourceDefinition
+metadata: {name: peerauthentications.security.istio.io}
+spec:
+  group: security.istio.io
+  scope: Namespaced
+  names: {kind: PeerAuthentication, plural: peerauthentications, singular: peerauthentication, listKind: PeerAuthenticationList}
+  versions:
+    - name: v1
+      served: true
+      storage: true
+      schema: {openAPIV3Schema: {type: object, x-kubernetes-preserve-unknown-fields: true}}
+---
+apiVersion: apiextensions.k8s.io/v1
+kind: CustomResourceDefinition
+metadata: {name: authorizationpolicies.security.istio.io}
+spec:
+  group: security.istio.io
+  scope: Namespaced
+  names: {kind: AuthorizationPolicy, plural: authorizationpolicies, singular: authorizationpolicy, listKind: AuthorizationPolicyList}
+  versions:
+    - name: v1
+      served: true
+      storage: true
+      schema: {openAPIV3Schema: {type: object, x-kubernetes-preserve-unknown-fields: true}}
+`
+
+const strictYAML = `apiVersion: v1
+kind: Namespace
+metadata:
+  name: {{NS}}
+  labels: {istio.io/dataplane-mode: ambient}
+---
+apiVersion: security.istio.io/v1
+kind: PeerAuthentication
+metadata: {name: strict, namespace: {{NS}}}
+spec:
+  mtls: {mode: STRICT}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: strict, namespace: {{NS}}, labels: {app: strict}}
+spec:
+  nodeSelector: {kubernetes.io/hostname: {{W1}}}
+  terminationGracePeriodSeconds: 1
+  containers:
+    - name: probe
+      image: meshtun-probe:dev
+      imagePullPolicy: Never
+      args: [serve]
+      readinessProbe:
+        httpGet: {path: /, port: 8081}
+        periodSeconds: 1
+        failureThreshold: 2
+      livenessProbe:
+        tcpSocket: {port: 8080}
+        periodSeconds: 1
+        failureThreshold: 2
+`
+
+// TestStrictPodProbes: under PeerAuthentication STRICT, a pod outside the
+// mesh is refused in plaintext, a mesh client gets through, and the
+// kubelet's HTTP readiness and TCP liveness probes (plaintext from the
+// node) keep passing: the pod stays Ready and is never restarted.
+func TestStrictPodProbes(t *testing.T) {
+	ctx := context.Background()
+	mesh, plain := meshWorkloads(t)
+	if _, err := cl.KubectlIn(ctx, istioCRDs, "apply", "-f", "-"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cl.Kubectl(ctx, "wait", "--for=condition=Established", "crd/peerauthentications.security.istio.io", "--timeout=2m"); err != nil {
+		t.Fatal(err)
+	}
+	ns := "strict-" + randHex(3)
+	sharedNamespaces = append(sharedNamespaces, ns)
+	y := strings.NewReplacer("{{NS}}", ns, "{{W1}}", mesh.serverNode).Replace(strictYAML)
+	if _, err := cl.KubectlIn(ctx, y, "apply", "-f", "-"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cl.Kubectl(ctx, "-n", ns, "wait", "--for=condition=Ready", "pod/strict", "--timeout=5m"); err != nil {
+		t.Fatal(err)
+	}
+	out, err := cl.Kubectl(ctx, "-n", ns, "get", "pod", "strict", "-o", "jsonpath={.status.podIP}")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ip, err := netip.ParseAddr(strings.TrimSpace(string(out)))
+	if err != nil {
+		t.Fatalf("pod %s/strict IP %q: %v", ns, out, err)
+	}
+	to := netip.AddrPortFrom(ip, 8080)
+	// The node reads PeerAuthentication once its CRD is there (it looks
+	// every 10 s): plaintext from outside the mesh is refused from then on.
+	for deadline := time.Now().Add(90 * time.Second); ; {
+		err := send(ctx, plain.ns, "far", to, "plaintext")
+		if err != nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("plaintext from a pod outside the mesh still reaches the STRICT pod 90 s after the PeerAuthentication")
+		}
+		time.Sleep(time.Second) // the policy arrives through an API watch
+	}
+	if err := send(ctx, mesh.ns, "far", to, "mesh"); err != nil {
+		t.Fatalf("mesh client to the STRICT pod: %v", err)
+	}
+	// The kubelet probes every second, two failures fail: 20 s of probes.
+	watchUntil := time.Now().Add(20 * time.Second)
+	for time.Now().Before(watchUntil) {
+		out, err := cl.Kubectl(ctx, "-n", ns, "get", "pod", "strict", "-o",
+			`jsonpath={.status.conditions[?(@.type=="Ready")].status} {.status.containerStatuses[0].restartCount}`)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := strings.TrimSpace(string(out)); got != "True 0" {
+			t.Fatalf("STRICT pod: Ready and restarts %q, want \"True 0\": the kubelet's probes failed", got)
+		}
+		time.Sleep(2 * time.Second) // sampling the pod's status
+	}
+	if err := send(ctx, plain.ns, "far", to, "plaintext-again"); err == nil {
+		t.Fatal("plaintext from outside the mesh reached the STRICT pod")
+	}
+}
