@@ -65,9 +65,6 @@ func readManifestFile(f string) ([]Manifest, error) {
 			continue
 		}
 		u := &unstructured.Unstructured{Object: m}
-		if u.GroupVersionKind().Group == "kind.x-k8s.io" {
-			continue
-		}
 		out = append(out, Manifest{File: filepath.Base(f), Obj: u})
 	}
 	return out, nil
