@@ -37,7 +37,7 @@ func randHex(n int) string {
 func TestMain(m *testing.M) { os.Exit(run(m)) }
 
 func run(m *testing.M) int {
-	ctx, cancel := context.WithTimeout(context.Background(), 35*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 55*time.Minute)
 	defer cancel()
 	if name := os.Getenv("MESHTUN_KIND_CLUSTER"); name != "" {
 		cache, err := kind.CacheDir()
