@@ -199,6 +199,9 @@ func AssembleNodeImage(ctx context.Context, logf Logf, t Toolchain, rootfs, paus
 	if err := os.WriteFile(filepath.Join(root, "kind/manifests/default-cni.yaml"), []byte(defaultCNI), 0o644); err != nil {
 		return "", err
 	}
+	if err := os.WriteFile(filepath.Join(root, "kind/manifests/default-storage.yaml"), []byte(defaultStorage), 0o644); err != nil {
+		return "", err
+	}
 	tars := filepath.Join(work, "images.tar")
 	if err := writeControlPlaneImages(rootfs, t, pause, tars); err != nil {
 		return "", err
@@ -231,6 +234,19 @@ data:
     harness (test/kind, WritePodNetwork) writes each node's ptp+host-local
     CNI configuration for its spec.podCIDRs and the routes to the other
     nodes' pod CIDRs, as kindnetd does.
+`
+
+// defaultStorage replaces kind's local-path provisioner (its image is not
+// in the node): the StorageClass only, no provisioner.
+const defaultStorage = `apiVersion: storage.k8s.io/v1
+kind: StorageClass
+metadata:
+  name: standard
+  annotations:
+    storageclass.kubernetes.io/is-default-class: "true"
+provisioner: rancher.io/local-path
+volumeBindingMode: WaitForFirstConsumer
+reclaimPolicy: Delete
 `
 
 // installKindBaseFiles copies kind's images/base/files from the kind module
