@@ -134,6 +134,12 @@ func Create(ctx context.Context, logf Logf, t Toolchain, o Options) (*Cluster, e
 		return c, err
 	}
 	logf("kind create cluster %s: %s", c.Name, time.Since(start).Round(time.Second))
+	// kind's kubeconfig names a port podman publishes on 127.0.0.1, which an
+	// internal network does not forward: talk to the API server on the
+	// control-plane node's own address instead (in its certificate).
+	if err := c.useNodeAddress(ctx); err != nil {
+		return c, err
+	}
 	nodes, err := c.Nodes(ctx)
 	if err != nil {
 		return c, err
@@ -159,6 +165,36 @@ func Create(ctx context.Context, logf Logf, t Toolchain, o Options) (*Cluster, e
 	}
 	logf("cluster %s ready after %s", c.Name, time.Since(start).Round(time.Second))
 	return c, nil
+}
+
+// useNodeAddress points the kubeconfig at the control-plane node's IPv4
+// address on the podman network.
+func (c *Cluster) useNodeAddress(ctx context.Context) error {
+	out, err := c.Podman(ctx, "inspect", c.Name+"-control-plane", "--format", "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}")
+	if err != nil {
+		return err
+	}
+	ip, err := netip.ParseAddr(strings.TrimSpace(string(out)))
+	if err != nil {
+		return fmt.Errorf("address of %s-control-plane %q: %w", c.Name, out, err)
+	}
+	kc, err := os.ReadFile(c.Kubeconfig)
+	if err != nil {
+		return err
+	}
+	var lines []string
+	n := 0
+	for _, l := range strings.Split(string(kc), "\n") {
+		if strings.HasPrefix(strings.TrimSpace(l), "server: https://") {
+			l = l[:strings.Index(l, "server:")] + "server: https://" + netip.AddrPortFrom(ip, 6443).String()
+			n++
+		}
+		lines = append(lines, l)
+	}
+	if n != 1 {
+		return fmt.Errorf("%s: %d server lines, want 1", c.Kubeconfig, n)
+	}
+	return os.WriteFile(c.Kubeconfig, []byte(strings.Join(lines, "\n")), 0o600)
 }
 
 // clusterConfig is the user's kind config with what this machine needs

@@ -139,21 +139,22 @@ func BuildToolchain(ctx context.Context, logf Logf) (Toolchain, error) {
 		if err := os.MkdirAll(tmp, 0o755); err != nil {
 			return t, err
 		}
-		logf("building %s (minutes when the Go build cache is cold)", filepath.Base(p.dir))
+		label, _ := filepath.Rel(cache, p.dir)
+		logf("building %s (minutes when the Go build cache is cold)", label)
 		start, cpu0 := time.Now(), childCPU()
 		if err := p.build(ctx, tmp); err != nil {
 			os.RemoveAll(tmp)
-			return t, fmt.Errorf("build %s: %w", filepath.Base(p.dir), err)
+			return t, fmt.Errorf("build %s: %w", label, err)
 		}
 		if !complete(tmp, p.programs) {
 			os.RemoveAll(tmp)
-			return t, fmt.Errorf("build %s: not all of %v were built", filepath.Base(p.dir), p.programs)
+			return t, fmt.Errorf("build %s: not all of %v were built", label, p.programs)
 		}
 		os.RemoveAll(p.dir)
 		if err := os.Rename(tmp, p.dir); err != nil {
 			return t, err
 		}
-		logf("built %s: wall %s, CPU %s", filepath.Base(p.dir), time.Since(start).Round(time.Second), (childCPU() - cpu0).Round(time.Second))
+		logf("built %s: wall %s, CPU %s", label, time.Since(start).Round(time.Second), (childCPU() - cpu0).Round(time.Second))
 	}
 	return t, nil
 }
