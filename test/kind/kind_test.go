@@ -197,9 +197,6 @@ spec:
       image: meshtun-probe:dev
       imagePullPolicy: Never
       args: [serve]
-      readinessProbe:
-        httpGet: {path: /, port: 8081}
-        periodSeconds: 1
 ---
 apiVersion: v1
 kind: Pod

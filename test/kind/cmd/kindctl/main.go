@@ -4,6 +4,7 @@
 //	kindctl toolchain        build (or find cached) every part
 //	kindctl up [NAME]        a cluster with meshtun running (default name meshtun)
 //	kindctl down [NAME]      delete it and its podman network
+//	kindctl probe-image [NAME]  rebuild and load the test image into it
 //
 // The kubeconfig goes to ~/.cache/meshtun-test/kind/clusters/NAME/kubeconfig.
 package main
@@ -44,6 +45,15 @@ func main() {
 		c, err = kind.Up(ctx, log.Printf, name, dir)
 		if err == nil {
 			log.Printf("cluster %s is up: export KUBECONFIG=%s", c.Name, c.Kubeconfig)
+		}
+	case "probe-image":
+		// Rebuild meshtun-probe:dev and load it into the running cluster.
+		var c *kind.Cluster
+		if c, err = kind.Attach(ctx, log.Printf, name, dir); err == nil {
+			tar := filepath.Join(dir, "probe-image.tar")
+			if err = kind.WriteProbeImage(ctx, dir, tar); err == nil {
+				err = c.LoadImage(ctx, tar)
+			}
 		}
 	case "down":
 		var c *kind.Cluster

@@ -14,6 +14,8 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"os/signal"
+	"syscall"
 	"time"
 )
 
@@ -50,7 +52,11 @@ func main() {
 		quiet = true
 		loop(*to, *msg, *dur, *every)
 	case "sleep":
-		select {}
+		// Until the kubelet stops the pod (a bare select{} is a deadlock
+		// to the runtime when nothing else runs).
+		sig := make(chan os.Signal, 1)
+		signal.Notify(sig, syscall.SIGTERM, syscall.SIGINT)
+		<-sig
 	default:
 		log.Fatalf("unknown command %q", os.Args[1])
 	}
