@@ -11,16 +11,10 @@ import (
 // IPv4 per-device settings by their index in the kernel's devconf table
 // (linux/ip.h, IPV4_DEVCONF_*).
 const (
+	devconfForwarding  = 1
 	devconfRPFilter    = 8
 	devconfAcceptLocal = 23
 )
-
-// devconfKeys maps the per-device sysctls SetSysctls sets to their
-// devconf index.
-var devconfKeys = map[string]uint16{
-	"rp_filter":    devconfRPFilter,
-	"accept_local": devconfAcceptLocal,
-}
 
 // setDevconf sets IPv4 per-device settings of link name over netlink
 // (RTM_SETLINK with IFLA_AF_SPEC/AF_INET/IFLA_INET_CONF), which needs

@@ -290,6 +290,11 @@ func ours(table, priority int) ([]*netlink.Rule, error) {
 // reconcile makes the kernel's rules those of links and pods: it adds the
 // missing ones first, then deletes those no longer wanted.
 func (r *Routing) reconcile(links []CaptureLink, pods []netip.Prefix) error {
+	for _, l := range links {
+		if err := looseLink(l.Name); err != nil {
+			return err
+		}
+	}
 	want := r.rules(links, pods)
 	have, err := ours(r.cfg.Table, r.cfg.Priority)
 	if err != nil {

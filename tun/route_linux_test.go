@@ -92,7 +92,7 @@ func testNode(t *testing.T) (dev, sink *Device, cfg RoutingConfig) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	sys, err := SetSysctls(dev.Name(), "mt0s", "pod1")
+	sys, err := SetSysctls(SysctlConfig{TUN: dev.Name(), IPv4: true, IPv6: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -238,9 +238,9 @@ func TestRoutingRestartAdopts(t *testing.T) {
 	}
 }
 
-// TestSysctlsStrictAll: with net.ipv4.conf.all.rp_filter strict, the
-// strictness moves to the devices, capture links and "default" become
-// loose, the TUN has none; Restore puts every value back.
+// TestSysctlsStrictAll: with net.ipv4.conf.all.rp_filter strict, no
+// device but the TUN changes (its own rp_filter 2, accept_local 1, the
+// address RPFAddr, over netlink); Restore puts forwarding back.
 func TestSysctlsStrictAll(t *testing.T) {
 	inNewNetns(t)
 	addDummy(t, "d0", "")
@@ -256,24 +256,35 @@ func TestSysctlsStrictAll(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer dev.Close()
-	s, err := SetSysctls("mt0", "pod1")
+	s, err := SetSysctls(SysctlConfig{TUN: "mt0", IPv4: true})
 	if err != nil {
 		t.Fatal(err)
 	}
 	check := func(when string, want map[string]string) {
 		t.Helper()
 		for k, v := range want {
-			got, err := readSysctl("net/ipv4/conf/" + k + "/rp_filter")
+			got, err := readSysctl("net/ipv4/" + k)
 			if err != nil || got != v {
-				t.Errorf("%s: %s.rp_filter = %q (%v), want %s", when, k, got, err, v)
+				t.Errorf("%s: %s = %q (%v), want %s", when, k, got, err, v)
 			}
 		}
 	}
-	check("running", map[string]string{"all": "0", "d0": "1", "d2": "2", "default": "2", "pod1": "2", "lo": "1", "mt0": "0"})
+	unchanged := map[string]string{"conf/all/rp_filter": "1", "conf/d0/rp_filter": "0", "conf/d2/rp_filter": "2", "conf/default/rp_filter": "0", "conf/pod1/rp_filter": "0"}
+	check("running", unchanged)
+	check("running", map[string]string{"conf/mt0/rp_filter": "2", "conf/mt0/accept_local": "1", "ip_forward": "1"})
+	l, err := netlink.LinkByIndex(dev.Index())
+	if err != nil {
+		t.Fatal(err)
+	}
+	addrs, err := netlink.AddrList(l, unix.AF_INET)
+	if err != nil || len(addrs) != 1 || !addrs[0].IP.Equal(RPFAddr) || addrs[0].Scope != unix.RT_SCOPE_HOST {
+		t.Errorf("addresses of the TUN: %v (%v), want %s scope host", addrs, err, RPFAddr)
+	}
 	if err := s.Restore(); err != nil {
 		t.Fatal(err)
 	}
-	check("restored", map[string]string{"all": "1", "d0": "0", "d2": "2", "default": "0", "pod1": "0", "lo": "0"})
+	check("restored", unchanged)
+	check("restored", map[string]string{"ip_forward": "0"})
 }
 
 // TestNodeTrafficCaptured: what the node itself sends to a captured pod

@@ -96,12 +96,41 @@ func runCAServe(ctx context.Context, args []string) error {
 	nodeAccounts := fs.String("node-accounts", "meshtun-system/meshtun", "with --kubernetes: comma-separated `namespace/serviceaccount` of the node proxies; only they may ask for workload identities")
 	audience := fs.String("audience", caserver.DefaultAudience, "with --kubernetes: the `audience` the nodes' tokens must be for")
 	rootFrom := fs.String("root-from", "", "`directory` holding "+identity.RootKeyFile+" and "+identity.RootCertFile+" (a Secret volume) to copy into ca.dir when ca.dir has no root")
+	rootSecret := fs.String("root-secret", "", "with --kubernetes: `namespace/name` of the Secret that holds the CA root (root-key.pem, root-cert.pem); created with a new self-signed root on first start when it does not exist")
+	rootConfigMap := fs.String("root-configmap", "", "with --root-secret: `namespace/name` of the ConfigMap the root certificate (root-cert.pem, no key) is published to, for the nodes; same namespace as the Secret")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
 	log, err := newLogger(*logLevel)
 	if err != nil {
 		return err
+	}
+	if *rootSecret != "" {
+		if !*useKube || *rootFrom != "" {
+			return errors.New("--root-secret needs --kubernetes and excludes --root-from")
+		}
+		sns, sname, ok := strings.Cut(*rootSecret, "/")
+		cns, cname, ok2 := strings.Cut(*rootConfigMap, "/")
+		if !ok || !ok2 || sns == "" || sname == "" || cname == "" || cns != sns {
+			return fmt.Errorf("--root-secret %q and --root-configmap %q: want namespace/name each, in one namespace", *rootSecret, *rootConfigMap)
+		}
+		c, err := config.Load(*path)
+		if err != nil {
+			return err
+		}
+		snap, err := c.Snapshot()
+		if err != nil {
+			return err
+		}
+		cs, err := kubeClient(*kubeconfig, "ca")
+		if err != nil {
+			return err
+		}
+		kr := caserver.KubeRoot{Store: cs, Namespace: sns, Secret: sname, ConfigMap: cname,
+			Dir: c.CA.Dir, TrustDomain: snap.TrustDomain, Logger: log}
+		if err := kr.Ensure(ctx); err != nil {
+			return err
+		}
 	}
 	if *rootFrom != "" {
 		c, err := config.Load(*path)

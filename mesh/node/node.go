@@ -219,12 +219,9 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	}
 	n.sink = &spoofSink{dev: sinkDev, log: log}
 	go n.sink.run()
-	loose := []string{sinkDev.Name()} // see tun.SetSysctls: capture links cannot be strict
 	links, _ := n.captureLinks(cfg.CaptureLinks, locals)
-	for _, l := range links {
-		loose = append(loose, l.Name)
-	}
-	sys, err := tun.SetSysctls(dev.Name(), loose...)
+	v4, v6 := families(locals, links)
+	sys, err := tun.SetSysctls(tun.SysctlConfig{TUN: dev.Name(), IPv4: v4, IPv6: v6, Logger: log})
 	if err != nil {
 		sinkDev.Close()
 		dev.Close()
@@ -779,4 +776,28 @@ func (n *node) follow(ctx context.Context, updates <-chan *registry.Snapshot) {
 		n.log.Debug().Int("workloads", len(snap.Workloads)).Int("services", len(snap.Services)).
 			Int("local", len(localWorkloads(snap, n.cfg.Name))).Int("connections_closed", closed).Msg("mesh model updated")
 	}
+}
+
+// families says which IP families the node's captured pods use: their
+// addresses and their links' sources. A node without pods yet uses none,
+// so forwarding it cannot turn on only warns (tun.SetSysctls).
+func families(locals []*registry.Workload, links []tun.CaptureLink) (v4, v6 bool) {
+	see := func(a netip.Addr) {
+		if a.Unmap().Is4() {
+			v4 = true
+		} else {
+			v6 = true
+		}
+	}
+	for _, w := range locals {
+		for _, a := range w.Addresses {
+			see(a)
+		}
+	}
+	for _, l := range links {
+		for _, a := range l.Sources {
+			see(a)
+		}
+	}
+	return v4, v6
 }

@@ -8,7 +8,6 @@ import (
 	"net"
 	"net/netip"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -42,17 +41,19 @@ type caProc struct {
 	roots string // root-cert.pem the nodes trust
 }
 
-// startCA creates a root with `meshtun ca init` (as an operator would for
-// the meshtun-ca Secret), and runs `meshtun ca serve --kubernetes
-// --root-from` it, with a kubeconfig of the meshtun-ca service account
-// (the shipped RBAC), on cfgPath.
+// startCA runs `meshtun ca serve --kubernetes` with the Deployment's
+// arguments, with a kubeconfig of the meshtun-ca service account (the
+// shipped RBAC), on cfgPath: on the first start it creates the root into
+// the Secret meshtun-ca and publishes the certificate in the ConfigMap
+// meshtun-ca-root, which is written to dir for the nodes (as the
+// DaemonSet mounts it).
 func startCA(t testing.TB, cp *ControlPlane, ms []Manifest, cfgPath, dir string) *caProc {
 	t.Helper()
 	ctx := context.Background()
 	shipped := shippedCAArgs(t, ms)
-	root := filepath.Join(dir, "ca-secret")
-	if out, err := exec.Command(meshtunBin, "ca", "init", "--trust-domain", "cluster.local", "--out", root).CombinedOutput(); err != nil {
-		t.Fatalf("meshtun ca init: %v\n%s", err, out)
+	root := filepath.Join(dir, "ca-root")
+	if err := os.MkdirAll(root, 0o755); err != nil {
+		t.Fatal(err)
 	}
 	tok, err := cp.Admin.CoreV1().ServiceAccounts("meshtun-system").CreateToken(ctx, "meshtun-ca",
 		&authv1.TokenRequest{Spec: authv1.TokenRequestSpec{ExpirationSeconds: new(int64(3600))}}, metav1.CreateOptions{})
@@ -76,8 +77,6 @@ func startCA(t testing.TB, cp *ControlPlane, ms []Manifest, cfgPath, dir string)
 		switch {
 		case strings.HasPrefix(a, "--config="):
 			a = "--config=" + cfgPath
-		case strings.HasPrefix(a, "--root-from="):
-			a = "--root-from=" + root
 		}
 		args = append(args, a)
 	}
@@ -95,6 +94,13 @@ func startCA(t testing.TB, cp *ControlPlane, ms []Manifest, cfgPath, dir string)
 		}
 	})
 	c.wait(t, 0, "ready", func(l noderun.Line) bool { return l.Str("message") == "certificate service ready" })
+	cm, err := cp.Admin.CoreV1().ConfigMaps("meshtun-system").Get(ctx, "meshtun-ca-root", metav1.GetOptions{})
+	if err != nil {
+		t.Fatalf("the CA published no root certificate: %v", err)
+	}
+	if err := os.WriteFile(c.roots, []byte(cm.Data[identity.RootCertFile]), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	return c
 }
 

@@ -160,3 +160,44 @@ func (c *Client) APIResources(ctx context.Context, groupVersion string) (*metav1
 	}
 	return l, nil
 }
+
+// GetSecret reads a Secret.
+func (c *Client) GetSecret(ctx context.Context, namespace, name string) (*corev1.Secret, error) {
+	s := &corev1.Secret{}
+	err := c.core.Get().Namespace(namespace).Resource("secrets").Name(name).
+		VersionedParams(&metav1.GetOptions{}, metav1.ParameterCodec).Do(ctx).Into(s)
+	return s, err
+}
+
+// CreateSecret creates a Secret (in its own namespace).
+func (c *Client) CreateSecret(ctx context.Context, s *corev1.Secret) (*corev1.Secret, error) {
+	out := &corev1.Secret{}
+	err := c.core.Post().Namespace(s.Namespace).Resource("secrets").
+		VersionedParams(&metav1.CreateOptions{}, metav1.ParameterCodec).Body(s).Do(ctx).Into(out)
+	return out, err
+}
+
+// GetConfigMap reads a ConfigMap.
+func (c *Client) GetConfigMap(ctx context.Context, namespace, name string) (*corev1.ConfigMap, error) {
+	cm := &corev1.ConfigMap{}
+	err := c.core.Get().Namespace(namespace).Resource("configmaps").Name(name).
+		VersionedParams(&metav1.GetOptions{}, metav1.ParameterCodec).Do(ctx).Into(cm)
+	return cm, err
+}
+
+// CreateConfigMap creates a ConfigMap (in its own namespace).
+func (c *Client) CreateConfigMap(ctx context.Context, cm *corev1.ConfigMap) (*corev1.ConfigMap, error) {
+	out := &corev1.ConfigMap{}
+	err := c.core.Post().Namespace(cm.Namespace).Resource("configmaps").
+		VersionedParams(&metav1.CreateOptions{}, metav1.ParameterCodec).Body(cm).Do(ctx).Into(out)
+	return out, err
+}
+
+// UpdateConfigMap replaces a ConfigMap; its resourceVersion makes a
+// concurrent change a conflict.
+func (c *Client) UpdateConfigMap(ctx context.Context, cm *corev1.ConfigMap) (*corev1.ConfigMap, error) {
+	out := &corev1.ConfigMap{}
+	err := c.core.Put().Namespace(cm.Namespace).Resource("configmaps").Name(cm.Name).
+		VersionedParams(&metav1.UpdateOptions{}, metav1.ParameterCodec).Body(cm).Do(ctx).Into(out)
+	return out, err
+}
