@@ -97,43 +97,16 @@ func Up(ctx context.Context, logf Logf, name, dir string) (*Cluster, error) {
 	return c, nil
 }
 
-// InstallMeshtun runs docs/kubernetes.md's walk-through: the CA root made
-// once into the Secret and ConfigMap, then deploy/kubernetes/ applied
-// unchanged, and waits until the CA and the DaemonSet are ready.
+// InstallMeshtun runs docs/kubernetes.md's walk-through: deploy/kubernetes/
+// applied unchanged (meshtun ca makes its own root on first start), then
+// waits until the CA and the DaemonSet are ready on every node.
 func (c *Cluster) InstallMeshtun(ctx context.Context, repo string) error {
 	start := time.Now()
-	caDir := filepath.Join(c.dir, "meshtun-ca")
-	if _, err := os.Stat(filepath.Join(caDir, "root-cert.pem")); err != nil {
-		cmd := exec.CommandContext(ctx, "go", "run", "./cmd/meshtun", "ca", "init", "--trust-domain", "cluster.local", "--out", caDir)
-		cmd.Dir = repo
-		if out, err := cmd.CombinedOutput(); err != nil {
-			return fmt.Errorf("meshtun ca init: %w\n%s", err, out)
-		}
-	}
-	if os.Getenv("MESHTUN_KIND_DEV_LOOSE_RPFILTER") == "1" {
-		// Development only, until the node stops writing
-		// net.ipv4.conf.all.rp_filter on kind (issue 21 §2): loose
-		// filtering, which the node leaves alone. Never set by the tests.
-		nodes, err := c.Nodes(ctx)
-		if err != nil {
-			return err
-		}
-		for _, n := range nodes {
-			if _, err := c.Podman(ctx, "exec", n.Name, "sysctl", "-w", "net.ipv4.conf.all.rp_filter=2"); err != nil {
-				return err
-			}
-		}
-	}
-	steps := [][]string{
-		{"apply", "-f", filepath.Join(repo, "deploy/kubernetes/namespace.yaml")},
-		{"-n", "meshtun-system", "create", "secret", "generic", "meshtun-ca",
-			"--from-file=" + filepath.Join(caDir, "root-key.pem"), "--from-file=" + filepath.Join(caDir, "root-cert.pem")},
-		{"-n", "meshtun-system", "create", "configmap", "meshtun-ca-root", "--from-file=" + filepath.Join(caDir, "root-cert.pem")},
+	for _, s := range [][]string{
 		{"apply", "-f", filepath.Join(repo, "deploy/kubernetes") + "/"},
 		{"-n", "meshtun-system", "rollout", "status", "deploy/meshtun-ca", "--timeout=10m"},
 		{"-n", "meshtun-system", "rollout", "status", "ds/meshtun", "--timeout=10m"},
-	}
-	for _, s := range steps {
+	} {
 		if _, err := c.Kubectl(ctx, s...); err != nil {
 			return err
 		}
