@@ -38,6 +38,13 @@ vet:
 # GOMODCACHE, GOCACHE and ~/.cache/meshtun-test): 20 min 46 s on a new idle
 # 2-core machine (test/spire 5.3 min, test/kube with the kube-apiserver,
 # etcd and pilot-discovery builds 8.3 min); 46 min 14 s at load 8-11.
+# test/kind (docs/kind.md) brings up a real 3-node kind cluster on rootful
+# podman, offline, and runs deploy/kubernetes/ on it: its parts are built
+# once into ~/.cache/meshtun-test/kind (about 34 CPU-minutes cold, 20 of
+# them the seven Kubernetes binaries, which share the Go build cache with
+# test/kube's kube-apiserver; debootstrap ~5 min), then each run takes about
+# 4 minutes to bring up its cluster and 5 to test; it needs podman, runc,
+# debootstrap, libseccomp-dev and pkg-config (.ci/run installs them).
 test: vet build image-test
 	$(GO) test -count=1 -timeout 30m $(PKGS)
 	$(GO) test -run '^$$' -fuzz FuzzClassify -fuzztime 200000x ./stack/classify
