@@ -1,0 +1,139 @@
+// Command probe is the test image's server and client (meshtun-probe:dev):
+//
+//	probe serve [-tcp :8080] [-http :8081]   echo every TCP connection back; HTTP 200 on /
+//	probe send -to host:port -msg TEXT        send TEXT, half-close, print what comes back
+//	probe loop -to host:port -msg TEXT -for 60s  exchange TEXT every 100 ms, print a JSON summary
+//	probe sleep                               wait forever (a pod to kubectl exec into)
+package main
+
+import (
+	"flag"
+	"fmt"
+	"io"
+	"log"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+)
+
+// quiet leaves out the echo (loop prints one summary instead).
+var quiet bool
+
+func main() {
+	log.SetFlags(log.Ltime | log.Lmicroseconds)
+	if len(os.Args) < 2 {
+		log.Fatal("usage: probe serve|send|sleep")
+	}
+	fs := flag.NewFlagSet(os.Args[1], flag.ExitOnError)
+	switch os.Args[1] {
+	case "serve":
+		tcp := fs.String("tcp", ":8080", "TCP echo listen address")
+		httpAddr := fs.String("http", ":8081", "HTTP listen address")
+		fs.Parse(os.Args[2:])
+		serve(*tcp, *httpAddr)
+	case "send":
+		to := fs.String("to", "", "host:port")
+		msg := fs.String("msg", "", "what to send")
+		timeout := fs.Duration("timeout", 10*time.Second, "whole exchange")
+		fs.Parse(os.Args[2:])
+		if err := send(*to, *msg, *timeout); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
+	case "loop":
+		to := fs.String("to", "", "host:port")
+		msg := fs.String("msg", "", "what to send on each connection")
+		dur := fs.Duration("for", time.Minute, "how long to loop")
+		every := fs.Duration("every", 100*time.Millisecond, "pause between connections")
+		fs.Parse(os.Args[2:])
+		quiet = true
+		loop(*to, *msg, *dur, *every)
+	case "sleep":
+		// Until the kubelet stops the pod (a bare select{} is a deadlock
+		// to the runtime when nothing else runs).
+		sig := make(chan os.Signal, 1)
+		signal.Notify(sig, syscall.SIGTERM, syscall.SIGINT)
+		<-sig
+	default:
+		log.Fatalf("unknown command %q", os.Args[1])
+	}
+}
+
+func serve(tcpAddr, httpAddr string) {
+	ln, err := net.Listen("tcp", tcpAddr)
+	if err != nil {
+		log.Fatal(err)
+	}
+	go func() {
+		http.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) { fmt.Fprintf(w, "ok from %s\n", r.Host) })
+		log.Fatal(http.ListenAndServe(httpAddr, nil))
+	}()
+	log.Printf("echo on %s, http on %s", tcpAddr, httpAddr)
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			log.Fatal(err)
+		}
+		go func() {
+			defer c.Close()
+			c.SetDeadline(time.Now().Add(time.Minute))
+			n, err := io.Copy(c, io.LimitReader(c, 1<<20))
+			log.Printf("echoed %d bytes to %s (%v)", n, c.RemoteAddr(), err)
+		}()
+	}
+}
+
+// loop exchanges msg with to on a new connection every interval for d and
+// prints one JSON summary: successes, failures, and the longest time
+// without a successful exchange.
+func loop(to, msg string, d, every time.Duration) {
+	start := time.Now()
+	lastOK := start
+	var ok, fail int
+	var maxGap time.Duration
+	var lastErr string
+	for time.Since(start) < d {
+		if err := send(to, msg, 2*time.Second); err != nil {
+			fail++
+			lastErr = err.Error()
+		} else {
+			ok++
+			if g := time.Since(lastOK); g > maxGap {
+				maxGap = g
+			}
+			lastOK = time.Now()
+		}
+		time.Sleep(every)
+	}
+	if g := time.Since(lastOK); g > maxGap {
+		maxGap = g
+	}
+	fmt.Printf("{\"ok\": %d, \"fail\": %d, \"maxGapMs\": %d, \"lastError\": %q}\n", ok, fail, maxGap.Milliseconds(), lastErr)
+}
+
+func send(to, msg string, timeout time.Duration) error {
+	c, err := net.DialTimeout("tcp", to, timeout)
+	if err != nil {
+		return fmt.Errorf("dial %s: %w", to, err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(timeout))
+	if _, err := io.WriteString(c, msg); err != nil {
+		return fmt.Errorf("write to %s: %w", to, err)
+	}
+	c.(*net.TCPConn).CloseWrite()
+	got, err := io.ReadAll(io.LimitReader(c, 1<<20))
+	if err != nil {
+		return fmt.Errorf("read from %s: %w", to, err)
+	}
+	if string(got) != msg {
+		return fmt.Errorf("%s echoed %q, sent %q", to, got, msg)
+	}
+	if !quiet {
+		fmt.Printf("%s\n", got)
+	}
+	return nil
+}
