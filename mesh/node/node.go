@@ -305,7 +305,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	n.px, err = proxy.New(runCtx, proxy.Config{
 		Node: cfg.Name, Registry: n.reg, HBONE: n.hc, Metrics: n.metrics, FromNode: nodeAddrs.Contains,
 		SocketControl: tun.MarkSocket, Certified: n.hasCertificate,
-		Logger:        log, AccessLog: log.With().Str("log", "access").Logger(),
+		Logger: log, AccessLog: log.With().Str("log", "access").Logger(),
 	})
 	if err != nil {
 		return err
