@@ -36,6 +36,7 @@ import (
 	listersdiscoveryv1 "k8s.io/client-go/listers/discovery/v1"
 	"k8s.io/client-go/tools/cache"
 
+	"github.com/meshtun/meshtun/mesh/kube/kubeapi"
 	"github.com/meshtun/meshtun/mesh/policy"
 	"github.com/meshtun/meshtun/mesh/registry"
 )
@@ -424,11 +425,17 @@ func notInMeshReason(p *corev1.Pod, nsEnrolled bool) string {
 // pending pod is a workload too (its init containers run captured), with
 // them as its addresses while its status has none.
 func (s *Source) workload(p *corev1.Pod, enrolled map[string]bool, owner map[netip.Addr]string, pa *peerAuthIndex, announced []netip.Addr) (*registry.Workload, string) {
-	switch {
-	case p.Spec.HostNetwork:
+	if p.Spec.HostNetwork {
 		return nil, "hostNetwork"
-	case p.Status.Phase == corev1.PodPending && len(announced) > 0:
-	case p.Status.Phase != corev1.PodRunning:
+	}
+	// Only live pods (the certificate service's rule too, so that it
+	// grants what the model holds), and of those the running ones and the
+	// pending ones the gate announced: another pending pod has no address
+	// to capture yet.
+	if live, why := kubeapi.PodLive(p); !live {
+		return nil, why
+	}
+	if p.Status.Phase != corev1.PodRunning && !(p.Status.Phase == corev1.PodPending && len(announced) > 0) {
 		return nil, "phase " + string(p.Status.Phase)
 	}
 	w := &registry.Workload{

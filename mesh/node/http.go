@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/http/pprof"
 	"net/netip"
+	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -80,9 +81,11 @@ func (n *node) serveHTTP(ctx context.Context) (stop func(), err error) {
 
 // readiness answers /healthz/ready: 200 once the TUN is up, routing
 // installed, the registry loaded and the local certificates issued; 503
-// before that, while draining, and when no local workload holds a valid
-// certificate any more (renewals failed until every one expired). Failing
-// renewals alone do not make the node unready: it keeps serving with the
+// before that, while draining, while a local workload has no certificate
+// (blocked for mesh connections: the CA unreachable or refusing it; the
+// body names them), and when no local workload holds a valid certificate
+// any more (renewals failed until every one expired). Failing renewals
+// alone do not make the node unready: it keeps serving with the
 // certificates it has (see the meshtun_certificates_* metrics).
 func (n *node) readiness(w http.ResponseWriter, r *http.Request) {
 	if r.URL.Path != "/healthz/ready" {
@@ -91,6 +94,24 @@ func (n *node) readiness(w http.ResponseWriter, r *http.Request) {
 	}
 	if !n.ready.Load() {
 		http.Error(w, "not ready", http.StatusServiceUnavailable)
+		return
+	}
+	var missing []*registry.Workload
+	if n.reg != nil {
+		missing = n.uncertified(n.reg.Load())
+	}
+	if len(missing) > 0 {
+		const shown = 5
+		var names []string
+		for _, w := range missing[:min(len(missing), shown)] {
+			names = append(names, w.String())
+		}
+		more := ""
+		if len(missing) > shown {
+			more = fmt.Sprintf(" and %d more", len(missing)-shown)
+		}
+		http.Error(w, fmt.Sprintf("not ready: %d local workloads have no certificate (%s), their mesh connections are blocked: %s%s (see /config_dump)",
+			len(missing), BlockedReasonNoCertificate, strings.Join(names, ", "), more), http.StatusServiceUnavailable)
 		return
 	}
 	if st := n.svids.Stats(); st.Total > 0 && st.Valid == 0 {
@@ -133,6 +154,9 @@ type configDump struct {
 	Connections  int               `json:"openConnections"`
 	Source       any               `json:"source,omitempty"`
 	Flows        int               `json:"flows"`
+	// MissingCertificates are the local identities whose certificate is
+	// being retried (their workloads blocked for mesh connections).
+	MissingCertificates []missingCert `json:"missingCertificates"`
 }
 
 type workloadDump struct {
@@ -151,6 +175,9 @@ type workloadDump struct {
 	// Refused says why meshtun refuses the workload (captured, every
 	// connection denied), if it does.
 	Refused string `json:"refused,omitempty"`
+	// Blocked says why a local workload's mesh connections are refused
+	// for now (BlockedReasonNoCertificate), if they are.
+	Blocked string `json:"blocked,omitempty"`
 }
 
 type serviceDump struct {
@@ -200,6 +227,9 @@ func (n *node) configDump(w http.ResponseWriter, r *http.Request) {
 		}
 		if wl.InMesh {
 			wd.Identity = wl.Identity.String()
+			if n.svids != nil && wl.Node == n.cfg.Name && wl.Refused == "" && !n.hasCertificate(wl.Identity) {
+				wd.Blocked = BlockedReasonNoCertificate
+			}
 		}
 		d.Workloads = append(d.Workloads, wd)
 	}
@@ -218,6 +248,10 @@ func (n *node) configDump(w http.ResponseWriter, r *http.Request) {
 				d.Certificates = append(d.Certificates, certificateDump{Identity: id.String(), Expiry: t})
 			}
 		}
+	}
+	d.MissingCertificates = []missingCert{}
+	if n.certs != nil {
+		d.MissingCertificates = n.certs.missing()
 	}
 	if n.px != nil {
 		d.Connections = n.px.Open()

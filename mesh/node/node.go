@@ -200,8 +200,9 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	}
 	defer stopHTTP()
 
-	// Identities next: nothing is captured before the local workloads
-	// have their certificates.
+	// The identity source next; the certificates themselves are asked
+	// for only once capture is installed (below): a CA that is down, or
+	// refuses an identity, must never leave the pods uncaptured.
 	issuer, bundle := cfg.Issuer, cfg.Bundle
 	if issuer == nil {
 		cfg.CA.TrustDomain = cfg.Mesh.TrustDomain
@@ -220,14 +221,8 @@ func Run(ctx context.Context, cfg Config) (err error) {
 		return err
 	}
 	defer n.svids.Close()
-	certified := withCertificates(locals)
-	ids := make([]spiffeid.ID, len(certified))
-	for i, w := range certified {
-		ids[i] = w.Identity
-	}
-	if err := n.svids.AddAll(ctx, ids); err != nil {
-		return fmt.Errorf("node: certificates of the local workloads: %w", err)
-	}
+	n.certs = newCertKeeper(runCtx, n.svids, n.certificateIssued, log)
+	defer n.certs.stop()
 
 	// meshtun's own kernel sockets carry tun.Mark, which routes them
 	// around the TUN: the HBONE dials must not be captured again.
@@ -309,8 +304,8 @@ func Run(ctx context.Context, cfg Config) (err error) {
 
 	n.px, err = proxy.New(runCtx, proxy.Config{
 		Node: cfg.Name, Registry: n.reg, HBONE: n.hc, Metrics: n.metrics, FromNode: nodeAddrs.Contains,
-		SocketControl: tun.MarkSocket,
-		Logger:        log, AccessLog: log.With().Str("log", "access").Logger(),
+		SocketControl: tun.MarkSocket, Certified: n.hasCertificate,
+		Logger: log, AccessLog: log.With().Str("log", "access").Logger(),
 	})
 	if err != nil {
 		return err
@@ -318,7 +313,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	n.hs, err = hbone.NewServer(hbone.ServerConfig{
 		TLS: identity.ServerTLS(n.svids, cfg.Mesh.TrustDomain, func(local netip.Addr) (spiffeid.ID, bool) {
 			w := n.reg.Load().Workload(local)
-			if w == nil || !w.InMesh || w.Node != cfg.Name || w.Refused != "" {
+			if w == nil || !w.InMesh || w.Node != cfg.Name || w.Refused != "" || !n.hasCertificate(w.Identity) {
 				return spiffeid.ID{}, false
 			}
 			return w.Identity, true
@@ -354,6 +349,9 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	if err := n.metrics.Register(refusedCollector{n.reg, cfg.Name}); err != nil {
 		return fmt.Errorf("node: metrics: %w", err)
 	}
+	if err := n.metrics.Register(blockedCollector{n}); err != nil {
+		return fmt.Errorf("node: metrics: %w", err)
+	}
 
 	routes, err = tun.InstallRouting(dev, sinkDev, tun.RoutingConfig{
 		CaptureLinks: links,
@@ -378,9 +376,18 @@ func Run(ctx context.Context, cfg Config) (err error) {
 		}
 	}
 
+	// Certificates last, once everything is captured: a workload whose
+	// certificate is not issued (the CA unreachable, or refusing it) stays
+	// captured and blocked for mesh connections, and its certificate is
+	// retried in the background; the node never stops for it.
+	n.certs.sync(ctx, withCertificates(locals))
+
 	// HBONE for the pods is taken on the kernel socket or, failing that,
 	// on the netstack: they are captured either way.
+	n.captureMu.Lock()
+	n.rulesOK = true
 	n.reportCaptured(locals, true)
+	n.captureMu.Unlock()
 	if cfg.ConfigPath != "" {
 		go watchConfig(runCtx, cfg.ConfigPath, n, log)
 	}
@@ -402,7 +409,8 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	}
 	log.Info().Str("node", cfg.Name).Str("tun", dev.Name()).Int("mtu", dev.MTU()).
 		Strs("capture_links", linkNames).Str("hbone_inbound", hboneOn).
-		Int("workloads", len(locals)).Str("trust_domain", cfg.Mesh.TrustDomain.String()).
+		Int("workloads", len(locals)).Int("workloads_without_certificate", len(n.uncertified(cfg.Mesh))).
+		Str("trust_domain", cfg.Mesh.TrustDomain.String()).
 		Msg(ReadyMessage)
 	<-ctx.Done()
 
@@ -439,6 +447,8 @@ type node struct {
 	captureMu    sync.Mutex      // capture updates, from the config watcher or the source
 	bridgeWarned bool            // CaptureByRoute found a bridge CNI; said so once
 	noRoute      map[string]bool // CaptureByRoute: local workloads without a host route, logged once
+	rulesOK      bool            // the last capture update installed its rules (captureMu)
+	certs        *certKeeper
 	routes       *tun.Routing
 	local        *tun.LocalDelivery // nil: inbound HBONE on the netstack
 	sink         *spoofSink
@@ -652,20 +662,16 @@ func (r *reloader) onError(err error) {
 // svidSet is the part of identity.Source that syncSVIDs uses.
 type svidSet interface {
 	IDs() []spiffeid.ID
-	Add(context.Context, spiffeid.ID) error
 	Remove(spiffeid.ID)
 }
 
-// syncSVIDs makes the local identities of src exactly want: it issues the
-// new ones and removes those no local workload has any more (their keys
-// are not kept, renewed or served). It returns how many it removed.
-func syncSVIDs(ctx context.Context, src svidSet, want []*registry.Workload, log zerolog.Logger) int {
+// syncSVIDs removes from src the identities no workload of want has any
+// more (their keys are not kept, renewed or served); issuing the new ones
+// is the certKeeper's. It returns how many it removed.
+func syncSVIDs(src svidSet, want []*registry.Workload, log zerolog.Logger) int {
 	keep := make(map[spiffeid.ID]bool, len(want))
 	for _, w := range want {
 		keep[w.Identity] = true
-		if err := src.Add(ctx, w.Identity); err != nil {
-			log.Error().Err(err).Str("workload", w.String()).Msg("certificate for a new local workload")
-		}
 	}
 	removed := 0
 	for _, id := range src.IDs() {
@@ -690,27 +696,22 @@ func (n *node) apply(ctx context.Context, c *config.Config, snap *registry.Snaps
 		Int("policies", len(snap.Policies)).Int("certificates_removed", removed).Int("connections_closed", closed).Msg("config reloaded")
 }
 
-// install makes snap the current model: certificates for new local
-// workloads first, so that a new workload can handshake at once, then the
-// snapshot, then old certificates go; then (if updateCapture) capture
-// follows the node's workloads: pods added to this node are captured from
-// now on, rules added before old ones go; last the open connections are
+// install makes snap the current model: the snapshot first, then old
+// certificates go; then (if updateCapture) capture follows the node's
+// workloads: pods added to this node are captured from now on, rules added
+// before old ones go; then the certificates of new local workloads are
+// asked for (capture never waits on the CA: a new workload is blocked for
+// mesh connections until its certificate arrives, retried in the
+// background if it does not); last the open connections are
 // re-authorized. It returns how many connections were closed and
 // certificates removed, and whether every local workload's host link was
 // found (with CaptureByRoute).
 func (n *node) install(ctx context.Context, snap *registry.Snapshot, links []tun.CaptureLink, updateCapture bool) (closed, removed int, complete bool) {
 	locals := localWorkloads(snap, n.cfg.Name)
 	certified := withCertificates(locals)
-	ids := make([]spiffeid.ID, len(certified))
-	for i, w := range certified {
-		ids[i] = w.Identity
-	}
-	if err := n.svids.AddAll(ctx, ids); err != nil {
-		n.log.Error().Err(err).Msg("certificates for new local workloads")
-	}
 	n.reg.Store(snap)
 	n.hl.sync(locals)
-	removed = syncSVIDs(ctx, n.svids, certified, n.log)
+	removed = syncSVIDs(n.svids, certified, n.log)
 	complete = true
 	if updateCapture {
 		n.captureMu.Lock()
@@ -726,8 +727,12 @@ func (n *node) install(ctx context.Context, snap *registry.Snapshot, links []tun
 				ok = false
 			}
 		}
+		n.rulesOK = ok
 		n.reportCaptured(locals, ok)
 		n.captureMu.Unlock()
+	}
+	if n.certs.sync(ctx, certified) > 0 && updateCapture {
+		n.certificateIssued()
 	}
 	return n.px.Reauthorize(), removed, complete
 }

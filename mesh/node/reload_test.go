@@ -188,27 +188,21 @@ func TestReloadRefusesTrustDomainChange(t *testing.T) {
 type fakeSVIDs struct{ ids []spiffeid.ID }
 
 func (f *fakeSVIDs) IDs() []spiffeid.ID { return slices.Clone(f.ids) }
-func (f *fakeSVIDs) Add(_ context.Context, id spiffeid.ID) error {
-	if !slices.Contains(f.ids, id) {
-		f.ids = append(f.ids, id)
-	}
-	return nil
-}
 func (f *fakeSVIDs) Remove(id spiffeid.ID) {
 	f.ids = slices.DeleteFunc(f.ids, func(x spiffeid.ID) bool { return x == id })
 }
 
 // TestSyncSVIDsRemovesGone: a reload that removes a node's workload
 // removes its identity's SVID; an identity another local workload still
-// has is kept.
+// has is kept, and so is one whose first issuance is under way.
 func TestSyncSVIDsRemovesGone(t *testing.T) {
 	td := spiffeid.RequireTrustDomainFromString("cluster.local")
 	a := spiffeid.RequireFromSegments(td, "ns", "default", "sa", "a")
 	b := spiffeid.RequireFromSegments(td, "ns", "default", "sa", "b")
 	c := spiffeid.RequireFromSegments(td, "ns", "default", "sa", "c")
-	src := &fakeSVIDs{ids: []spiffeid.ID{a, b}}
+	src := &fakeSVIDs{ids: []spiffeid.ID{a, b, c}}
 	want := []*registry.Workload{{Name: "a1", Identity: a}, {Name: "a2", Identity: a}, {Name: "c", Identity: c}}
-	if n := syncSVIDs(context.Background(), src, want, zerolog.Nop()); n != 1 {
+	if n := syncSVIDs(src, want, zerolog.Nop()); n != 1 {
 		t.Errorf("removed %d, want 1", n)
 	}
 	got := src.IDs()

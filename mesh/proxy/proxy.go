@@ -29,6 +29,7 @@ import (
 	"time"
 
 	"github.com/rs/zerolog"
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
 
 	"github.com/meshtun/meshtun/mesh/metrics"
 	"github.com/meshtun/meshtun/mesh/registry"
@@ -69,6 +70,12 @@ type Config struct {
 	// SocketControl, if set, is applied to every kernel socket the proxy
 	// opens (tun.MarkSocket: so that it is not captured again).
 	SocketControl func(network, address string, c syscall.RawConn) error
+	// Certified, if set, reports whether a local identity holds its
+	// certificate. A local workload without one is blocked for mesh
+	// connections: those it opens to mesh workloads are reset, and so are
+	// those of local workloads to it (inbound HBONE to it is refused by
+	// the TLS configuration). Nil: every identity does.
+	Certified func(spiffeid.ID) bool
 }
 
 // Proxy handles intercepted TCP connections.
@@ -174,6 +181,14 @@ func (p *Proxy) outboundFrom(snap *registry.Snapshot, req *stack.TCPRequest, src
 		return
 	}
 	switch {
+	case dst != nil && dst.InMesh && p.cfg.HBONE != nil && (p.uncertified(src) || dst.Node == p.cfg.Node && p.uncertified(dst)):
+		// Never plaintext, never without the identity's certificate.
+		req.Reject()
+		blocked := src
+		if !p.uncertified(src) {
+			blocked = dst
+		}
+		p.newRecord(req.Src, req.Dst, src, dst, "outbound", "no-certificate").via(target, svc).refused(&noCertificateError{blocked})
 	case dst != nil && dst.InMesh && p.cfg.HBONE != nil && dst.Node == p.cfg.Node:
 		p.sameNode(snap, req, p.newRecord(req.Src, req.Dst, src, dst, "outbound", "local").via(target, svc), target)
 	case dst != nil && dst.InMesh && p.cfg.HBONE != nil:
@@ -198,6 +213,12 @@ func serviceTarget(snap *registry.Snapshot, orig netip.AddrPort, dst *registry.W
 		return svc, orig, nil, false
 	}
 	return svc, netip.AddrPortFrom(ep.Addr, port.Target()), ep.Workload, true
+}
+
+// uncertified reports whether w is a local workload that should hold a
+// certificate (not refused) and does not hold one.
+func (p *Proxy) uncertified(w *registry.Workload) bool {
+	return p.cfg.Certified != nil && p.local(w) && w.Refused == "" && !p.cfg.Certified(w.Identity)
 }
 
 // passthrough connects to the original destination (or the chosen service

@@ -236,6 +236,15 @@ func (e *refusedWorkloadError) Error() string {
 	return fmt.Sprintf("workload %s is refused by meshtun (%s): every connection from it and to it is denied", e.w, e.w.Refused)
 }
 
+// noCertificateError refuses a mesh connection of a local workload that
+// holds no certificate yet (the CA unreachable, or refusing it): blocked,
+// fail closed, until the node gets one.
+type noCertificateError struct{ w *registry.Workload }
+
+func (e *noCertificateError) Error() string {
+	return fmt.Sprintf("workload %s has no certificate (identity %s not issued yet): its mesh connections are refused until it has one", e.w, e.w.Identity)
+}
+
 var (
 	errNoEndpoint = errors.New("no healthy endpoint for the service")
 	errDraining   = errors.New("node proxy is draining: no new connections")

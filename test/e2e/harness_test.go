@@ -158,3 +158,23 @@ func uninstall(t testing.TB, n *cluster.Node) {
 		t.Fatal(err)
 	}
 }
+
+// waitCertified waits until every local workload of n holds its
+// certificate (its readiness answers 200): a workload that joins the mesh
+// is captured at once, and blocked for mesh connections until its
+// certificate comes (the CA may read the same config change later, and
+// the node retries).
+func waitCertified(t testing.TB, n *cluster.Node) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		code, body := httpGet(t, n.NS, "http://127.0.0.1:15021/healthz/ready")
+		if code == 200 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s not ready 10 s after the change: %d %s", n.Name(), code, body)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}

@@ -55,6 +55,9 @@ func TestPodJoinsAndLeaves(t *testing.T) {
 	if !captured() {
 		t.Fatalf("after the pod joined the mesh, node 1 has no capture rule for it")
 	}
+	// Its certificate may come after the reload (the CA follows the same
+	// file, and may read it later): blocked until then.
+	waitCertified(t, n1)
 	cl := dial(t, pod.NS, srv.IPv4, 7500)
 	echo(t, cl)
 	cl.Close()

@@ -39,8 +39,8 @@ type TokenReview struct {
 // Pod is what the authorizer needs to know about a pod.
 type Pod struct {
 	Namespace, Name, UID, ServiceAccount, Node string
-	// Running: the pod is scheduled and not finished (phase Pending or
-	// Running).
+	// Running: the pod is live by kubeapi.PodLive (scheduled and not
+	// finished, terminating included), the rule the node's model uses.
 	Running bool
 }
 

@@ -8,6 +8,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
+
+	"github.com/meshtun/meshtun/mesh/kube/kubeapi"
 )
 
 // KubeAPI is the TokenReviewer and Pods of KubeMode on a real API server:
@@ -77,9 +79,10 @@ func (k KubeAPI) OnNode(ctx context.Context, node string) ([]Pod, error) {
 }
 
 func podOf(p *corev1.Pod) Pod {
+	live, _ := kubeapi.PodLive(p)
 	return Pod{
 		Namespace: p.Namespace, Name: p.Name, UID: string(p.UID),
 		ServiceAccount: p.Spec.ServiceAccountName, Node: p.Spec.NodeName,
-		Running: p.DeletionTimestamp == nil && (p.Status.Phase == corev1.PodPending || p.Status.Phase == corev1.PodRunning),
+		Running: live,
 	}
 }

@@ -204,3 +204,21 @@ func (c *Client) UpdateConfigMap(ctx context.Context, cm *corev1.ConfigMap) (*co
 		VersionedParams(&metav1.UpdateOptions{}, metav1.ParameterCodec).Body(cm).Do(ctx).Into(out)
 	return out, err
 }
+
+// PodLive is the one rule of which pods are live for the mesh, shared by
+// the node's model (mesh/kube) and the certificate service's node
+// authorization (mesh/identity/caserver), so that the two never disagree:
+// a pod the node keeps in the mesh is one the CA grants a certificate for.
+// A pod is live from its scheduling until it finishes (phase Pending or
+// Running), graceful termination included: a terminating pod still runs,
+// and dropping it from the mesh then would leave its last connections
+// uncaptured (plaintext, no policy). It returns why not, if not.
+func PodLive(p *corev1.Pod) (bool, string) {
+	switch p.Status.Phase {
+	case corev1.PodPending, corev1.PodRunning:
+		return true, ""
+	case "":
+		return false, "no phase yet"
+	}
+	return false, "phase " + string(p.Status.Phase)
+}
