@@ -493,6 +493,9 @@ func (s *Server) serve(ctx context.Context, c net.Conn, hs *pending) {
 		return
 	}
 	if draining {
+		// The client may read the GOAWAY before it sends a request, and
+		// then no stream is refused here: say that this connection was.
+		sc.log.Info().Str("reason", "draining").Msg("hbone: new connection refused (GOAWAY)")
 		sc.h.sendGoAway()
 	}
 	sc.h.readLoop()

@@ -264,11 +264,13 @@ func TestOperations(t *testing.T) {
 			t.Errorf("a new connection was accepted while draining")
 		}
 		// Inbound: node 2 is not draining and tunnels to node 1, which
-		// must refuse the stream; the workload gets nothing. Two layers
-		// refuse it: the HBONE server's GOAWAY (REFUSED_STREAM), and
-		// behind it the proxy's own check (DRAIN), which only a stream
-		// arriving between the two sees; either refusal passes here, the
-		// proxy's check alone is TestInboundRefusedWhileDraining's.
+		// must refuse the stream; the workload gets nothing. Three places
+		// refuse it: the HBONE server's GOAWAY on a new connection (the
+		// client may read it before sending its request), the GOAWAY's
+		// REFUSED_STREAM on a pooled one, and behind them the proxy's own
+		// check (DRAIN), which only a stream arriving between the two
+		// sees; any refusal passes here, the proxy's check alone is
+		// TestInboundRefusedWhileDraining's.
 		to11 := netip.AddrPortFrom(p11.IPv4, 7304)
 		if c, err := p21.Dial(ctx, "tcp", to11.String()); err == nil {
 			c.Close()
@@ -283,7 +285,8 @@ func TestOperations(t *testing.T) {
 		}
 		if l, err := m1.WaitLogSince(ctx, mark, func(l noderun.Line) bool {
 			return l.Str("response_flags") == "DRAIN" && l.Str("direction") == "inbound" && l.Str("dst.addr") == to11.String() ||
-				l.Str("message") == "hbone: stream refused (REFUSED_STREAM)" && l.Str("reason") == "draining"
+				l.Str("message") == "hbone: stream refused (REFUSED_STREAM)" && l.Str("reason") == "draining" ||
+				l.Str("message") == "hbone: new connection refused (GOAWAY)" && l.Str("reason") == "draining"
 		}); err != nil {
 			t.Errorf("node 1 logged no drain refusal of the inbound stream: %v", err)
 		} else {
