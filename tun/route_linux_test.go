@@ -124,6 +124,18 @@ func TestRoutingFailsClosed(t *testing.T) {
 		{"up0", "10.9.0.7", "10.1.0.1", "mt0"},    // to the pod from outside
 		{"up0", "fd09::7", "fd01::1", "mt0"},
 		{"pod2", "10.1.0.2", "10.9.0.7", "up0"}, // a pod not captured
+		// A captured pod's address from anywhere but its own link:
+		// another pod's link, the uplink; to anywhere, the pod itself
+		// included.
+		{"pod2", "10.1.0.1", "10.9.0.7", "mt0s"},
+		{"pod2", "fd01::1", "fd09::7", "mt0s"},
+		{"pod2", "10.1.0.1", "10.1.0.1", "mt0s"},
+		{"up0", "10.1.0.1", "10.9.0.8", "mt0s"},
+		{"up0", "fd01::1", "fd09::8", "mt0s"},
+		{"up0", "fd01::1", "fd01::1", "mt0s"},
+		// What the TUN writes back from the pod goes on.
+		{"mt0", "10.1.0.1", "10.9.0.7", "up0"},
+		{"mt0", "fd01::1", "fd09::7", "up0"},
 	} {
 		if got, err := forward(t, c.iif, c.src, c.dst); err != nil || got != c.want {
 			t.Errorf("running: %s → %s on %s routed to %q (%v), want %s", c.src, c.dst, c.iif, got, err, c.want)
@@ -149,6 +161,8 @@ func TestRoutingFailsClosed(t *testing.T) {
 		{"up0", "10.9.0.7", "10.1.0.1", unix.EACCES},
 		{"up0", "fd09::7", "fd01::1", unix.EACCES},
 		{"pod1", "10.1.0.2", "10.9.0.7", unix.EINVAL},
+		{"up0", "10.1.0.1", "10.9.0.8", unix.EINVAL},
+		{"pod2", "fd01::1", "fd09::7", unix.EINVAL},
 	} {
 		if got, err := forward(t, c.iif, c.src, c.dst); !errors.Is(err, c.want) {
 			t.Errorf("stopped: %s → %s on %s routed to %q (%v), want %v", c.src, c.dst, c.iif, got, err, c.want)

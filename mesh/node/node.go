@@ -356,6 +356,9 @@ func Run(ctx context.Context, cfg Config) (err error) {
 				if lerr := n.local.Close(); lerr != nil {
 					log.Error().Err(lerr).Msg("remove HBONE local delivery")
 				}
+				if rerr := routes.SetLocalDelivery(0); rerr != nil {
+					log.Error().Err(rerr).Msg("remove the local-delivery listener's exemption from the spoof rules")
+				}
 			}()
 		}
 	}
