@@ -7,7 +7,6 @@ import (
 	"net/netip"
 	"os"
 	"sync"
-	"syscall"
 
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
@@ -29,12 +28,6 @@ const (
 	// tables: they take over whenever no meshtun runs.
 	BlockMetric = 0xffff
 	tunMetric   = 1
-
-	// Mark is the socket mark (SO_MARK) of meshtun's own kernel sockets.
-	// A rule one priority before the capture rules sends packets with
-	// this mark to the main table, so that what meshtun itself sends to a
-	// captured pod (or anywhere) never loops back into the TUN.
-	Mark = 0x6d74
 )
 
 // CaptureLink is the node-side link of captured pods and the addresses
@@ -57,7 +50,6 @@ type CaptureLink struct {
 //	     uidrange <meshtun's uid> goto P      listener (SetLocalDelivery), from a pod's address
 //	P-2  iif <link> lookup T+1                any other source on that link: spoofed
 //	P-2  from <pod> lookup T+1                a local pod's address from anywhere else: spoofed
-//	P-1  fwmark <Mark> lookup main            what meshtun's own sockets send
 //	P    to <pod> lookup T                    traffic to a captured pod, from anywhere else
 //
 // Everything else the node sends to a pod is captured: the node is not
@@ -258,9 +250,6 @@ func (r *Routing) rules(links []CaptureLink, pods []netip.Prefix) []*netlink.Rul
 	for _, p := range pods {
 		p = netip.PrefixFrom(p.Addr().Unmap(), min(p.Bits(), p.Addr().Unmap().BitLen())).Masked()
 		add(familyOfAddr(p.Addr()), cfg.Priority-2, cfg.Table+1, "", &p, nil)
-	}
-	for _, family := range families {
-		add(family, cfg.Priority-1, unix.RT_TABLE_MAIN, "", nil, nil).Mark = Mark
 	}
 	for _, p := range pods {
 		p = netip.PrefixFrom(p.Addr().Unmap(), min(p.Bits(), p.Addr().Unmap().BitLen())).Masked()
@@ -492,20 +481,4 @@ func flushTable(family, table int) error {
 func prefixToIPNet(p netip.Prefix) *net.IPNet {
 	p = p.Masked()
 	return &net.IPNet{IP: net.IP(p.Addr().AsSlice()), Mask: net.CIDRMask(p.Bits(), p.Addr().BitLen())}
-}
-
-// MarkSocket sets SO_MARK to Mark on a socket, so that the exemption rule
-// keeps its packets out of the TUN. It has the signature of
-// net.Dialer.Control and net.ListenConfig.Control; it needs CAP_NET_ADMIN.
-func MarkSocket(network, address string, c syscall.RawConn) error {
-	var serr error
-	if err := c.Control(func(fd uintptr) {
-		serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_MARK, Mark)
-	}); err != nil {
-		return err
-	}
-	if serr != nil {
-		return fmt.Errorf("tun: mark socket for %s %s: %w", network, address, serr)
-	}
-	return nil
 }

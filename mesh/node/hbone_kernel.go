@@ -48,7 +48,11 @@ func (n *node) kernelHBONE(ctx context.Context, locals []*registry.Workload) *tu
 	if v4, v6 := ld.Families(); !v4 || !v6 {
 		n.log.Warn().Bool("ipv4", v4).Bool("ipv6", v6).Msg("inbound HBONE: local delivery for one address family only; the other terminates on the netstack")
 	}
+	// A connection to the node's own port 15008 is answered from the
+	// node's address: exempt like the other listeners.
+	release := n.exempt.AddListener(ln.Addr().(*net.TCPAddr).AddrPort())
 	go func() {
+		defer release()
 		if err := n.px.ServeHBONE(ctx, ln); err != nil {
 			// Without a listener the rules would blackhole port 15008:
 			// remove them, so that the netstack takes it again.

@@ -16,18 +16,21 @@ import (
 
 	"github.com/meshtun/meshtun/mesh/policy"
 	"github.com/meshtun/meshtun/mesh/registry"
-	"github.com/meshtun/meshtun/tun"
 )
 
 // serveHTTP starts the node's HTTP endpoints (admin, metrics, readiness)
 // on their configured addresses and returns a function that stops them.
 func (n *node) serveHTTP(ctx context.Context) (stop func(), err error) {
 	var servers []*http.Server
+	var exempts []func()
 	stop = func() {
 		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 		defer cancel()
 		for _, s := range servers {
 			s.Shutdown(sctx)
+		}
+		for _, release := range exempts {
+			release()
 		}
 	}
 	for _, ep := range []struct {
@@ -41,13 +44,15 @@ func (n *node) serveHTTP(ctx context.Context) (stop func(), err error) {
 		if ep.addr == "" {
 			continue
 		}
-		// Marked, so that replies to pods bypass the TUN.
-		lc := net.ListenConfig{Control: tun.MarkSocket}
+		var lc net.ListenConfig
 		ln, err := lc.Listen(ctx, "tcp", ep.addr)
 		if err != nil {
 			stop()
 			return nil, fmt.Errorf("node: %s listener on %s: %w", ep.name, ep.addr, err)
 		}
+		// Its replies to a local pod cross the TUN (the node's traffic to
+		// the pods is captured): exempt, by the address and port it holds.
+		exempts = append(exempts, n.exempt.AddListener(ln.Addr().(*net.TCPAddr).AddrPort()))
 		srv := &http.Server{Handler: ep.handler, ReadHeaderTimeout: 10 * time.Second}
 		servers = append(servers, srv)
 		go func() {
