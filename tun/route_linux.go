@@ -49,15 +49,16 @@ type CaptureLink struct {
 //	P-3  iif lo ipproto tcp sport <port>      the replies of meshtun's local-delivery
 //	     uidrange <meshtun's uid> goto P      listener (SetLocalDelivery), from a pod's address
 //	P-2  iif <link> lookup T+1                any other source on that link: spoofed
-//	P-2  from <pod> lookup T+1                a local pod's address from anywhere else: spoofed
+//	P-2  from <source> lookup T+1             a captured pod's address from anywhere else: spoofed
 //	P    to <pod> lookup T                    traffic to a captured pod, from anywhere else
 //
 // Everything else the node sends to a pod is captured: the node is not
-// trusted more than any other host. A local pod's address is accepted
-// only from the pod's own link, whatever the arrival interface (another
-// pod's link, the uplink, a node socket bound to it): except for the TUN
-// and meshtun's local-delivery listener, a packet from it that did not
-// take the pod's own rule goes to the spoof sink.
+// trusted more than any other host. A captured pod's address (a source
+// of a capture link) is accepted only from the pod's own link, whatever
+// the arrival interface (another pod's link, the uplink, a node socket
+// bound to it): except for the TUN and meshtun's local-delivery listener,
+// a packet from it that did not take the pod's own rule goes to the spoof
+// sink.
 type RoutingConfig struct {
 	Table    int // routing table; 0 means DefaultTable
 	Priority int // rule priority; 0 means DefaultPriority
@@ -247,9 +248,15 @@ func (r *Routing) rules(links []CaptureLink, pods []netip.Prefix) []*netlink.Rul
 			add(family, cfg.Priority-2, cfg.Table+1, l.Name, nil, nil)
 		}
 	}
-	for _, p := range pods {
-		p = netip.PrefixFrom(p.Addr().Unmap(), min(p.Bits(), p.Addr().Unmap().BitLen())).Masked()
-		add(familyOfAddr(p.Addr()), cfg.Priority-2, cfg.Table+1, "", &p, nil)
+	// A captured pod's address from anywhere but its link. Only the
+	// addresses of known links: a pod whose link is not known (a bridge
+	// CNI) is not captured outbound either, and would lose its traffic.
+	for _, l := range links {
+		for _, a := range l.Sources {
+			a = a.Unmap()
+			p := netip.PrefixFrom(a, a.BitLen())
+			add(familyOfAddr(a), cfg.Priority-2, cfg.Table+1, "", &p, nil)
+		}
 	}
 	for _, p := range pods {
 		p = netip.PrefixFrom(p.Addr().Unmap(), min(p.Bits(), p.Addr().Unmap().BitLen())).Masked()
