@@ -27,7 +27,10 @@ import (
 type Exempt struct {
 	local func(netip.Addr) bool
 
-	n         atomic.Int64 // entries; 0 skips the lock
+	nConns atomic.Int64 // connections; 0 skips their map
+	// ports has bit p set while a listener holds port p: a segment from
+	// any other port skips the listeners' map.
+	ports     [1 << 16 / 64]atomic.Uint64
 	mu        sync.RWMutex
 	conns     map[[2]netip.AddrPort]int
 	listeners map[netip.AddrPort]int
@@ -51,7 +54,7 @@ func (e *Exempt) AddConn(local, remote netip.AddrPort) (release func()) {
 	e.mu.Lock()
 	e.conns[k]++
 	e.mu.Unlock()
-	e.n.Add(1)
+	e.nConns.Add(1)
 	var once sync.Once
 	return func() {
 		once.Do(func() {
@@ -60,7 +63,7 @@ func (e *Exempt) AddConn(local, remote netip.AddrPort) (release func()) {
 				delete(e.conns, k)
 			}
 			e.mu.Unlock()
-			e.n.Add(-1)
+			e.nConns.Add(-1)
 		})
 	}
 }
@@ -75,8 +78,8 @@ func (e *Exempt) AddListener(local netip.AddrPort) (release func()) {
 	}
 	e.mu.Lock()
 	e.listeners[k]++
+	e.setPort(k.Port())
 	e.mu.Unlock()
-	e.n.Add(1)
 	var once sync.Once
 	return func() {
 		once.Do(func() {
@@ -84,22 +87,44 @@ func (e *Exempt) AddListener(local netip.AddrPort) (release func()) {
 			if e.listeners[k]--; e.listeners[k] <= 0 {
 				delete(e.listeners, k)
 			}
+			e.setPort(k.Port())
 			e.mu.Unlock()
-			e.n.Add(-1)
 		})
+	}
+}
+
+// setPort makes port's bit say whether a listener holds it (e.mu held).
+func (e *Exempt) setPort(port uint16) {
+	held := false
+	for k, n := range e.listeners {
+		if k.Port() == port && n > 0 {
+			held = true
+			break
+		}
+	}
+	w, bit := &e.ports[port/64], uint64(1)<<(port%64)
+	if held {
+		w.Or(bit)
+	} else {
+		w.And(^bit)
 	}
 }
 
 // Has reports whether a TCP segment from src to dst belongs to an exempt
 // connection or listener (src is meshtun's end).
 func (e *Exempt) Has(src, dst netip.AddrPort) bool {
-	if e == nil || e.n.Load() == 0 {
+	if e == nil {
 		return false
+	}
+	conns := e.nConns.Load() > 0
+	listener := e.ports[src.Port()/64].Load()&(1<<(src.Port()%64)) != 0
+	if !conns && !listener {
+		return false // without a lock: the common case, a flood included
 	}
 	src, dst = unmap(src), unmap(dst)
 	e.mu.RLock()
-	ok := e.conns[[2]netip.AddrPort{src, dst}] > 0 || e.listeners[src] > 0
-	any := !ok && e.listeners[netip.AddrPortFrom(netip.Addr{}, src.Port())] > 0
+	ok := conns && e.conns[[2]netip.AddrPort{src, dst}] > 0 || listener && e.listeners[src] > 0
+	any := !ok && listener && e.listeners[netip.AddrPortFrom(netip.Addr{}, src.Port())] > 0
 	e.mu.RUnlock()
 	return ok || any && e.local != nil && e.local(src.Addr())
 }

@@ -74,3 +74,35 @@ func TestExempt(t *testing.T) {
 		t.Errorf("Has allocates %v times", n)
 	}
 }
+
+// BenchmarkExempt: a segment of one of meshtun's own connections (the
+// policy selects it, the registry of 1,024 connections exempts it) against
+// one the policy does not select (the verbatim path the registry is kept
+// off), in one run.
+func BenchmarkExempt(b *testing.B) {
+	node := netip.MustParseAddr("10.0.0.1")
+	target := netip.MustParseAddrPort("10.1.0.1:8080")
+	all := PolicyFunc(func(src, dst netip.AddrPort) bool { return true })
+	none := PolicyFunc(func(src, dst netip.AddrPort) bool { return false })
+	ex := NewExempt(func(a netip.Addr) bool { return a == node })
+	for i := range 1024 {
+		ex.AddConn(netip.AddrPortFrom(node, uint16(30000+i)), target)
+	}
+	p := tcpPayload(netip.AddrPortFrom(node, 30500), target, tcpACK, 1400)
+	for _, c := range []struct {
+		name string
+		cls  *Classifier
+	}{
+		{"policy-no", New(Config{Policy: none})},
+		{"exempt-conn", New(Config{Policy: all, Exempt: ex})},
+	} {
+		b.Run(c.name, func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				if v, _ := c.cls.Inbound(p); v != Verbatim {
+					b.Fatal("not verbatim")
+				}
+			}
+		})
+	}
+}

@@ -238,6 +238,11 @@ func TestForgedSocketMark(t *testing.T) {
 	for _, dst := range []netip.AddrPort{netip.AddrPortFrom(strict.IPv4, 7720), netip.AddrPortFrom(strict.IPv6, 7720)} {
 		attempt("killed", dst)
 	}
+	// The unprivileged threads are gone: the tests after this one still
+	// run with the binary's privileges.
+	if err := cluster.Preflight(); err != nil {
+		t.Fatalf("after the unprivileged dials: %v", err)
+	}
 }
 
 // markedDial connects to dst from ns as uid and gid 65534 holding
@@ -253,8 +258,7 @@ func markedDial(ns *cluster.NS, dst netip.AddrPort, mark int, marker []byte, tim
 		err   error
 	}
 	ch := make(chan result, 1)
-	go func() {
-		runtime.LockOSThread() // never unlocked: the thread ends with the goroutine
+	onFreshThread(func() {
 		var res result
 		defer func() { ch <- res }()
 		target, err := netns.GetFromName(ns.Name())
@@ -280,9 +284,33 @@ func markedDial(ns *cluster.NS, dst netip.AddrPort, mark int, marker []byte, tim
 			}
 		}
 		res.err = dialMarked(dst, mark, marker, timeout)
-	}()
+	})
 	r := <-ch
 	return r.creds, r.err
+}
+
+// onFreshThread runs fn on a goroutine locked to a thread that is not the
+// process's main thread, and never unlocks it: the Go runtime ends the
+// thread with the goroutine, so whatever fn does to the thread's
+// credentials or namespace dies with it. (The main thread cannot end: it
+// would stay, and /proc/self, which shows the main thread, would show its
+// credentials to the rest of the test binary.)
+func onFreshThread(fn func()) {
+	done := make(chan struct{})
+	go func() {
+		runtime.LockOSThread()
+		if unix.Gettid() == unix.Getpid() {
+			// While this goroutine holds the main thread, the next one
+			// runs on another.
+			onFreshThread(fn)
+			runtime.UnlockOSThread()
+			close(done)
+			return
+		}
+		defer close(done)
+		fn()
+	}()
+	<-done
 }
 
 // dialMarked connects to dst on a socket with SO_MARK mark from the
