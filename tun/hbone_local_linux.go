@@ -258,16 +258,12 @@ func removeStaleLocal(table int) error {
 	return errors.Join(errs...)
 }
 
-// TransparentSocket sets SO_MARK to Mark and IP_TRANSPARENT (IPv4) or
-// IPV6_TRANSPARENT (IPv6, which covers the IPv4 side of a dual-stack
-// socket too) on a socket: a listener with it answers connections to
-// addresses the node does not own (the pods' addresses that
-// LocalDelivery sends it), from those addresses. It has the signature of
-// net.ListenConfig.Control; it needs CAP_NET_ADMIN.
+// TransparentSocket sets IP_TRANSPARENT (IPv4) or IPV6_TRANSPARENT (IPv6,
+// which covers the IPv4 side of a dual-stack socket too) on a socket: a
+// listener with it answers connections to addresses the node does not own
+// (the pods' addresses that LocalDelivery sends it), from those addresses.
+// It has the signature of net.ListenConfig.Control; it needs CAP_NET_ADMIN.
 func TransparentSocket(network, address string, c syscall.RawConn) error {
-	if err := MarkSocket(network, address, c); err != nil {
-		return err
-	}
 	var serr error
 	if err := c.Control(func(fd uintptr) {
 		if network == "tcp4" || network == "udp4" {

@@ -5,8 +5,8 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"os"
 	"sync"
-	"syscall"
 
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
@@ -28,12 +28,6 @@ const (
 	// tables: they take over whenever no meshtun runs.
 	BlockMetric = 0xffff
 	tunMetric   = 1
-
-	// Mark is the socket mark (SO_MARK) of meshtun's own kernel sockets.
-	// A rule one priority before the capture rules sends packets with
-	// this mark to the main table, so that what meshtun itself sends to a
-	// captured pod (or anywhere) never loops back into the TUN.
-	Mark = 0x6d74
 )
 
 // CaptureLink is the node-side link of captured pods and the addresses
@@ -51,20 +45,20 @@ type CaptureLink struct {
 // With table T and priority P, the rules are, for IPv4 and IPv6:
 //
 //	P-3  iif <link> from <source> lookup T    a captured pod's own traffic
+//	P-3  iif <tun> lookup main                what the TUN writes back
+//	P-3  iif lo ipproto tcp sport <port>      the replies of meshtun's local-delivery
+//	     uidrange <meshtun's uid> goto P      listener (SetLocalDelivery), from a pod's address
 //	P-2  iif <link> lookup T+1                any other source on that link: spoofed
-//	P-1  iif <tun> lookup main                what the TUN writes back
-//	P-1  fwmark <Mark> lookup main            what meshtun's own sockets send
+//	P-2  from <source> lookup T+1             a captured pod's address from anywhere else: spoofed
 //	P    to <pod> lookup T                    traffic to a captured pod, from anywhere else
 //
 // Everything else the node sends to a pod is captured: the node is not
-// trusted more than any other host.
-//
-// Table T routes into the TUN and, behind that route, prohibits
-// ("prohibit default metric 65535"); table T+1 routes into the spoof sink
-// (a second TUN whose reader counts and drops) and, behind it, blackholes.
-// The blocking routes and the rules stay when meshtun stops, so that while
-// no proxy runs captured traffic is refused instead of routed in the
-// clear; [Uninstall] removes them.
+// trusted more than any other host. A captured pod's address (a source
+// of a capture link) is accepted only from the pod's own link, whatever
+// the arrival interface (another pod's link, the uplink, a node socket
+// bound to it): except for the TUN and meshtun's local-delivery listener,
+// a packet from it that did not take the pod's own rule goes to the spoof
+// sink.
 type RoutingConfig struct {
 	Table    int // routing table; 0 means DefaultTable
 	Priority int // rule priority; 0 means DefaultPriority
@@ -90,11 +84,17 @@ func (cfg *RoutingConfig) defaults() {
 
 // Routing is the set of rules and routes installed for one TUN device.
 type Routing struct {
-	mu     sync.Mutex // Update and Close
+	mu     sync.Mutex // Update, SetLocalDelivery and Close
 	cfg    RoutingConfig
 	dev    *Device
 	sink   *Device
 	closed bool
+	// links and pods are what the rules were last reconciled to;
+	// localPort is the port of the local-delivery listener whose replies
+	// (from a pod's address) skip the spoof rules, 0 for none.
+	links     []CaptureLink
+	pods      []netip.Prefix
+	localPort uint16
 }
 
 // InstallRouting routes the captured traffic into dev, and spoofed packets
@@ -221,6 +221,23 @@ func (r *Routing) rules(links []CaptureLink, pods []netip.Prefix) []*netlink.Rul
 		return rule
 	}
 	families := []int{unix.AF_INET, unix.AF_INET6}
+	for _, family := range families {
+		if iif := r.devName(); iif != "" { // no device: no rule that would match every interface
+			add(family, cfg.Priority-3, unix.RT_TABLE_MAIN, iif, nil, nil)
+		}
+		if r.localPort != 0 {
+			// The local-delivery listener answers from the pod's
+			// address: its packets skip the spoof rules (and still
+			// meet the rules to the pods). Only meshtun's uid, only its
+			// port, and only while it holds that port.
+			rule := add(family, cfg.Priority-3, 0, "lo", nil, nil)
+			rule.IPProto = unix.IPPROTO_TCP
+			rule.Sport = netlink.NewRulePortRange(r.localPort, r.localPort)
+			uid := uint32(os.Geteuid())
+			rule.UIDRange = netlink.NewRuleUIDRange(uid, uid)
+			rule.Goto = cfg.Priority
+		}
+	}
 	for _, l := range links {
 		for _, a := range l.Sources {
 			a = a.Unmap()
@@ -231,11 +248,15 @@ func (r *Routing) rules(links []CaptureLink, pods []netip.Prefix) []*netlink.Rul
 			add(family, cfg.Priority-2, cfg.Table+1, l.Name, nil, nil)
 		}
 	}
-	for _, family := range families {
-		if iif := r.devName(); iif != "" { // no device: no rule that would match every interface
-			add(family, cfg.Priority-1, unix.RT_TABLE_MAIN, iif, nil, nil)
+	// A captured pod's address from anywhere but its link. Only the
+	// addresses of known links: a pod whose link is not known (a bridge
+	// CNI) is not captured outbound either, and would lose its traffic.
+	for _, l := range links {
+		for _, a := range l.Sources {
+			a = a.Unmap()
+			p := netip.PrefixFrom(a, a.BitLen())
+			add(familyOfAddr(a), cfg.Priority-2, cfg.Table+1, "", &p, nil)
 		}
-		add(family, cfg.Priority-1, unix.RT_TABLE_MAIN, "", nil, nil).Mark = Mark
 	}
 	for _, p := range pods {
 		p = netip.PrefixFrom(p.Addr().Unmap(), min(p.Bits(), p.Addr().Unmap().BitLen())).Masked()
@@ -263,11 +284,21 @@ func ruleKey(r *netlink.Rule) string {
 	if mark == 0xffffffff { // NewRule's "no mark"; a listed rule without one has 0
 		mark = 0
 	}
-	return fmt.Sprintf("%d|%d|%d|%s|%v|%v|%#x", r.Family, r.Priority, r.Table, r.IifName, r.Src, r.Dst, mark)
+	var sport string
+	if r.Sport != nil {
+		sport = fmt.Sprintf("%d-%d", r.Sport.Start, r.Sport.End)
+	}
+	var uids string
+	if r.UIDRange != nil {
+		uids = fmt.Sprintf("%d-%d", r.UIDRange.Start, r.UIDRange.End)
+	}
+	return fmt.Sprintf("%d|%d|%d|%s|%v|%v|%#x|%d|%s|%s|%d", r.Family, r.Priority, r.Table, r.IifName, r.Src, r.Dst, mark,
+		r.IPProto, sport, uids, max(r.Goto, 0))
 }
 
-// ours lists the rules meshtun installs in tables table and table+1, and
-// its exemptions (priority priority-1, main table).
+// ours lists the rules meshtun installs in tables table and table+1, its
+// exemptions (priorities priority-3 to priority-1, main table) and its
+// jumps to priority.
 func ours(table, priority int) ([]*netlink.Rule, error) {
 	var out []*netlink.Rule
 	for _, family := range []int{unix.AF_INET, unix.AF_INET6} {
@@ -277,8 +308,9 @@ func ours(table, priority int) ([]*netlink.Rule, error) {
 		}
 		for i := range all {
 			rule := &all[i]
+			ourPrio := rule.Priority >= priority-3 && rule.Priority <= priority-1
 			if rule.Table == table || rule.Table == table+1 ||
-				(rule.Table == unix.RT_TABLE_MAIN && rule.Priority == priority-1) {
+				ourPrio && (rule.Table == unix.RT_TABLE_MAIN || rule.Goto == priority) {
 				rule.Family = family
 				out = append(out, rule)
 			}
@@ -295,6 +327,7 @@ func (r *Routing) reconcile(links []CaptureLink, pods []netip.Prefix) error {
 			return err
 		}
 	}
+	r.links, r.pods = links, pods
 	want := r.rules(links, pods)
 	have, err := ours(r.cfg.Table, r.cfg.Priority)
 	if err != nil {
@@ -341,6 +374,21 @@ func (r *Routing) Update(links []CaptureLink, pods []netip.Prefix) error {
 		return errors.New("tun: routing already closed")
 	}
 	return r.reconcile(links, pods)
+}
+
+// SetLocalDelivery tells the routing that meshtun's local-delivery
+// listener (LocalDelivery, a transparent socket whose packets carry a
+// pod's address as source) holds TCP port port, so that its packets skip
+// the spoof rules; 0 when it no longer does (its rule is removed: a node
+// process that binds the port afterwards is caught again).
+func (r *Routing) SetLocalDelivery(port uint16) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return errors.New("tun: routing already closed")
+	}
+	r.localPort = port
+	return r.reconcile(r.links, r.pods)
 }
 
 // Close removes the routes through the TUN devices and leaves everything
@@ -440,20 +488,4 @@ func flushTable(family, table int) error {
 func prefixToIPNet(p netip.Prefix) *net.IPNet {
 	p = p.Masked()
 	return &net.IPNet{IP: net.IP(p.Addr().AsSlice()), Mask: net.CIDRMask(p.Bits(), p.Addr().BitLen())}
-}
-
-// MarkSocket sets SO_MARK to Mark on a socket, so that the exemption rule
-// keeps its packets out of the TUN. It has the signature of
-// net.Dialer.Control and net.ListenConfig.Control; it needs CAP_NET_ADMIN.
-func MarkSocket(network, address string, c syscall.RawConn) error {
-	var serr error
-	if err := c.Control(func(fd uintptr) {
-		serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_MARK, Mark)
-	}); err != nil {
-		return err
-	}
-	if serr != nil {
-		return fmt.Errorf("tun: mark socket for %s %s: %w", network, address, serr)
-	}
-	return nil
 }

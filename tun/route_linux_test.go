@@ -124,6 +124,18 @@ func TestRoutingFailsClosed(t *testing.T) {
 		{"up0", "10.9.0.7", "10.1.0.1", "mt0"},    // to the pod from outside
 		{"up0", "fd09::7", "fd01::1", "mt0"},
 		{"pod2", "10.1.0.2", "10.9.0.7", "up0"}, // a pod not captured
+		// A captured pod's address from anywhere but its own link:
+		// another pod's link, the uplink; to anywhere, the pod itself
+		// included.
+		{"pod2", "10.1.0.1", "10.9.0.7", "mt0s"},
+		{"pod2", "fd01::1", "fd09::7", "mt0s"},
+		{"pod2", "10.1.0.1", "10.1.0.1", "mt0s"},
+		{"up0", "10.1.0.1", "10.9.0.8", "mt0s"},
+		{"up0", "fd01::1", "fd09::8", "mt0s"},
+		{"up0", "fd01::1", "fd01::1", "mt0s"},
+		// What the TUN writes back from the pod goes on.
+		{"mt0", "10.1.0.1", "10.9.0.7", "up0"},
+		{"mt0", "fd01::1", "fd09::7", "up0"},
 	} {
 		if got, err := forward(t, c.iif, c.src, c.dst); err != nil || got != c.want {
 			t.Errorf("running: %s → %s on %s routed to %q (%v), want %s", c.src, c.dst, c.iif, got, err, c.want)
@@ -149,6 +161,8 @@ func TestRoutingFailsClosed(t *testing.T) {
 		{"up0", "10.9.0.7", "10.1.0.1", unix.EACCES},
 		{"up0", "fd09::7", "fd01::1", unix.EACCES},
 		{"pod1", "10.1.0.2", "10.9.0.7", unix.EINVAL},
+		{"up0", "10.1.0.1", "10.9.0.8", unix.EINVAL},
+		{"pod2", "fd01::1", "fd09::7", unix.EINVAL},
 	} {
 		if got, err := forward(t, c.iif, c.src, c.dst); !errors.Is(err, c.want) {
 			t.Errorf("stopped: %s → %s on %s routed to %q (%v), want %v", c.src, c.dst, c.iif, got, err, c.want)
@@ -293,8 +307,9 @@ func TestSysctlsStrictAll(t *testing.T) {
 }
 
 // TestNodeTrafficCaptured: what the node itself sends to a captured pod
-// is routed into the TUN, except what a socket marked by MarkSocket sends,
-// which takes the main table (the pod's link).
+// is routed into the TUN, whatever its socket mark: no mark exempts a
+// socket (any process with CAP_NET_RAW may set one). meshtun's own sockets
+// are let through by the classifier (classify.Exempt).
 func TestNodeTrafficCaptured(t *testing.T) {
 	inNewNetns(t)
 	pod := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "pod0"}, PeerName: "pod0peer"}
@@ -330,24 +345,7 @@ func TestNodeTrafficCaptured(t *testing.T) {
 	if got := via(0); got != d.Index() {
 		t.Errorf("the node's own packets to the pod leave through link %d, want the TUN (%d)", got, d.Index())
 	}
-	if got := via(Mark); got != pod.Attrs().Index {
-		t.Errorf("marked packets to the pod leave through link %d, want the pod's link (%d)", got, pod.Attrs().Index)
-	}
-
-	lc := net.ListenConfig{Control: MarkSocket}
-	ln, err := lc.Listen(t.Context(), "tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	rc, err := ln.(*net.TCPListener).SyscallConn()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var mark int
-	var gerr error
-	rc.Control(func(fd uintptr) { mark, gerr = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_MARK) })
-	if gerr != nil || mark != Mark {
-		t.Errorf("SO_MARK of a socket MarkSocket set up: %#x, %v; want %#x", mark, gerr, Mark)
+	if got := via(0x6d74); got != d.Index() { // the mark meshtun used to exempt
+		t.Errorf("packets marked 0x6d74 to the pod leave through link %d, want the TUN (%d)", got, d.Index())
 	}
 }

@@ -37,15 +37,28 @@ func (n *node) kernelHBONE(ctx context.Context, locals []*registry.Workload) *tu
 		log.Warn().Err(err).Msg("inbound HBONE: cannot deliver the pods' port 15008 to the node; terminating on the netstack")
 		return nil
 	}
+	// The listener answers from the pods' addresses: its packets skip the
+	// spoof rules while it holds the port.
+	if err := n.routes.SetLocalDelivery(hbone.Port); err != nil {
+		ld.Close()
+		ln.Close()
+		log.Warn().Err(err).Msg("inbound HBONE: cannot exempt the listener's replies from the spoof rules; terminating on the netstack")
+		return nil
+	}
 	if v4, v6 := ld.Families(); !v4 || !v6 {
 		n.log.Warn().Bool("ipv4", v4).Bool("ipv6", v6).Msg("inbound HBONE: local delivery for one address family only; the other terminates on the netstack")
 	}
+	// A connection to the node's own port 15008 is answered from the
+	// node's address: exempt like the other listeners.
+	release := n.exempt.AddListener(ln.Addr().(*net.TCPAddr).AddrPort())
 	go func() {
+		defer release()
 		if err := n.px.ServeHBONE(ctx, ln); err != nil {
 			// Without a listener the rules would blackhole port 15008:
 			// remove them, so that the netstack takes it again.
 			cerr := ld.Close()
-			n.log.Error().Err(err).AnErr("remove_rules", cerr).Msg("inbound HBONE listener stopped; terminating on the netstack")
+			rerr := n.routes.SetLocalDelivery(0)
+			n.log.Error().Err(err).AnErr("remove_rules", cerr).AnErr("remove_exemption", rerr).Msg("inbound HBONE listener stopped; terminating on the netstack")
 		}
 	}()
 	return ld

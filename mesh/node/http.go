@@ -17,7 +17,6 @@ import (
 
 	"github.com/meshtun/meshtun/mesh/policy"
 	"github.com/meshtun/meshtun/mesh/registry"
-	"github.com/meshtun/meshtun/tun"
 )
 
 // serveHTTP starts the node's HTTP endpoints (admin, metrics, readiness)
@@ -27,11 +26,15 @@ import (
 // ones that change the node (POST /logging) or read its memory (pprof).
 func (n *node) serveHTTP(ctx context.Context) (stop func(), err error) {
 	var servers []*http.Server
+	var exempts []func()
 	stop = func() {
 		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 		defer cancel()
 		for _, s := range servers {
 			s.Shutdown(sctx)
+		}
+		for _, release := range exempts {
+			release()
 		}
 	}
 	n.httpAddrs = map[string]string{}
@@ -57,13 +60,15 @@ func (n *node) serveHTTP(ctx context.Context) (stop func(), err error) {
 		if ep.addr == "" {
 			continue
 		}
-		// Marked, so that replies to pods bypass the TUN.
-		lc := net.ListenConfig{Control: tun.MarkSocket}
+		var lc net.ListenConfig
 		ln, err := lc.Listen(ctx, "tcp", ep.addr)
 		if err != nil {
 			stop()
 			return nil, fmt.Errorf("node: %s listener on %s: %w", ep.name, ep.addr, err)
 		}
+		// Its replies to a local pod cross the TUN (the node's traffic to
+		// the pods is captured): exempt, by the address and port it holds.
+		exempts = append(exempts, n.exempt.AddListener(ln.Addr().(*net.TCPAddr).AddrPort()))
 		serve(ep.name, ln, ep.handler)
 	}
 	if n.cfg.AdminSocket != "" {

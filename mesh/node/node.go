@@ -191,6 +191,13 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	runCtx, stopRun := context.WithCancel(context.WithoutCancel(ctx))
 	defer stopRun()
 	n := &node{cfg: cfg, log: log, reg: registry.New(cfg.Mesh), metrics: metrics.New()}
+	// meshtun's own kernel sockets whose packets cross the TUN (the rules
+	// capture every packet to a local mesh pod, the node's included) and
+	// go out verbatim: its listeners and its connections from the node to
+	// a local workload. No socket mark: any process with CAP_NET_RAW could
+	// set one.
+	var nodeAddrs *tun.LocalAddrs
+	n.exempt = classify.NewExempt(func(a netip.Addr) bool { return nodeAddrs != nil && nodeAddrs.Contains(a) })
 
 	// HTTP endpoints first, so that readiness reports "not ready" while
 	// the rest starts.
@@ -224,11 +231,11 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	n.certs = newCertKeeper(runCtx, n.svids, n.certificateIssued, log)
 	defer n.certs.stop()
 
-	// meshtun's own kernel sockets carry tun.Mark, which routes them
-	// around the TUN: the HBONE dials must not be captured again.
-	markedDialer := &net.Dialer{Control: tun.MarkSocket}
+	// The HBONE dials go to pods of other nodes, which no rule of this
+	// node captures.
+	dialer := &net.Dialer{}
 	n.hc, err = hbone.NewClient(hbone.ClientConfig{
-		Dial: markedDialer.DialContext,
+		Dial: dialer.DialContext,
 		TLS: func(src, dst spiffeid.ID) (*tls.Config, error) {
 			return identity.ClientTLS(n.svids.Workload(src), dst), nil
 		},
@@ -295,16 +302,16 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	// The node's own addresses: a connection from one of them was opened
 	// by the node itself (the kernel drops packets from elsewhere that
 	// claim them).
-	nodeAddrs, err := tun.WatchLocalAddrs(runCtx, log)
+	nodeAddrs, err = tun.WatchLocalAddrs(runCtx, log)
 	if err != nil {
 		return err
 	}
-	n.cls = classify.New(classify.Config{Policy: interceptPolicy(n.reg, cfg, nodeAddrs.Contains, log)})
+	n.cls = classify.New(classify.Config{Policy: interceptPolicy(n.reg, cfg, nodeAddrs.Contains, log), Exempt: n.exempt})
 	go n.cls.Run(runCtx, 5*time.Second)
 
 	n.px, err = proxy.New(runCtx, proxy.Config{
 		Node: cfg.Name, Registry: n.reg, HBONE: n.hc, Metrics: n.metrics, FromNode: nodeAddrs.Contains,
-		SocketControl: tun.MarkSocket, Certified: n.hasCertificate,
+		Certified: n.hasCertificate, Exempt: n.exempt,
 		Logger: log, AccessLog: log.With().Str("log", "access").Logger(),
 	})
 	if err != nil {
@@ -371,6 +378,9 @@ func Run(ctx context.Context, cfg Config) (err error) {
 			defer func() {
 				if lerr := n.local.Close(); lerr != nil {
 					log.Error().Err(lerr).Msg("remove HBONE local delivery")
+				}
+				if rerr := routes.SetLocalDelivery(0); rerr != nil {
+					log.Error().Err(rerr).Msg("remove the local-delivery listener's exemption from the spoof rules")
 				}
 			}()
 		}
@@ -440,6 +450,7 @@ type node struct {
 	hc      *hbone.Client
 	hs      *hbone.Server
 	cls     *classify.Classifier
+	exempt  *classify.Exempt
 	st      *stack.Stack
 	px      *proxy.Proxy
 	hl      *hboneListeners

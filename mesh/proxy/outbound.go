@@ -2,8 +2,12 @@ package proxy
 
 import (
 	"context"
+	"fmt"
 	"net"
 	"net/netip"
+	"syscall"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/meshtun/meshtun/mesh/registry"
 	"github.com/meshtun/meshtun/protocols/hbone"
@@ -60,9 +64,7 @@ func (p *Proxy) deliver(req *stack.TCPRequest, rec *record, az *authorized, targ
 	var up net.Conn
 	var err error
 	if p.fromNode(req.Src.Addr()) {
-		d := p.dialer
-		d.LocalAddr = net.TCPAddrFromAddrPort(netip.AddrPortFrom(req.Src.Addr(), 0))
-		up, err = d.DialContext(p.ctx, "tcp", target.String())
+		up, err = p.dialExempt(rec, req.Src.Addr(), target)
 	} else {
 		ns := p.netstack()
 		if ns == nil {
@@ -75,11 +77,69 @@ func (p *Proxy) deliver(req *stack.TCPRequest, rec *record, az *authorized, targ
 		cancel()
 	}
 	if err != nil {
+		rec.release()
 		req.Reject()
 		rec.refused(err)
 		return
 	}
 	p.relayAccepted(rec, req, up, az)
+}
+
+// dialExempt connects a kernel socket from src (a port the kernel picks)
+// to target. With Config.Exempt, the socket is bound first and its exact
+// addresses and ports registered before the connect (rec.release ends
+// the exemption); the kernel lets no other socket use the same four while
+// this one lives, so no other process can borrow the exemption.
+func (p *Proxy) dialExempt(rec *record, src netip.Addr, target netip.AddrPort) (net.Conn, error) {
+	d := p.dialer
+	if p.cfg.Exempt == nil {
+		d.LocalAddr = net.TCPAddrFromAddrPort(netip.AddrPortFrom(src, 0))
+		return d.DialContext(p.ctx, "tcp", target.String())
+	}
+	control := d.Control
+	d.Control = func(network, address string, c syscall.RawConn) error {
+		if control != nil {
+			if err := control(network, address, c); err != nil {
+				return err
+			}
+		}
+		var local netip.AddrPort
+		var serr error
+		if err := c.Control(func(fd uintptr) { local, serr = bindAny(int(fd), src) }); err != nil {
+			return err
+		}
+		if serr != nil {
+			return fmt.Errorf("proxy: bind %s for %s: %w", src, address, serr)
+		}
+		rec.exempt = p.cfg.Exempt.AddConn(local, target)
+		return nil
+	}
+	return d.DialContext(p.ctx, "tcp", target.String())
+}
+
+// bindAny binds socket fd to src with a port the kernel picks and returns
+// the address and port bound.
+func bindAny(fd int, src netip.Addr) (netip.AddrPort, error) {
+	var sa unix.Sockaddr
+	if src.Unmap().Is4() {
+		sa = &unix.SockaddrInet4{Addr: src.Unmap().As4()}
+	} else {
+		sa = &unix.SockaddrInet6{Addr: src.As16()}
+	}
+	if err := unix.Bind(fd, sa); err != nil {
+		return netip.AddrPort{}, err
+	}
+	got, err := unix.Getsockname(fd)
+	if err != nil {
+		return netip.AddrPort{}, err
+	}
+	switch a := got.(type) {
+	case *unix.SockaddrInet4:
+		return netip.AddrPortFrom(netip.AddrFrom4(a.Addr), uint16(a.Port)), nil
+	case *unix.SockaddrInet6:
+		return netip.AddrPortFrom(netip.AddrFrom16(a.Addr).Unmap(), uint16(a.Port)), nil
+	}
+	return netip.AddrPort{}, fmt.Errorf("unexpected socket address %T", got)
 }
 
 // baggage is the W3C baggage ztunnel sends about the source workload.

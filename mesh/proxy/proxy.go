@@ -35,6 +35,7 @@ import (
 	"github.com/meshtun/meshtun/mesh/registry"
 	"github.com/meshtun/meshtun/protocols/hbone"
 	"github.com/meshtun/meshtun/stack"
+	"github.com/meshtun/meshtun/stack/classify"
 )
 
 // DefaultConnectTimeout bounds the upstream connect of a connection. The
@@ -68,7 +69,7 @@ type Config struct {
 	// node's address never cross the TUN). Nil: no address is.
 	FromNode func(netip.Addr) bool
 	// SocketControl, if set, is applied to every kernel socket the proxy
-	// opens (tun.MarkSocket: so that it is not captured again).
+	// opens.
 	SocketControl func(network, address string, c syscall.RawConn) error
 	// Certified, if set, reports whether a local identity holds its
 	// certificate. A local workload without one is blocked for mesh
@@ -76,6 +77,12 @@ type Config struct {
 	// those of local workloads to it (inbound HBONE to it is refused by
 	// the TLS configuration). Nil: every identity does.
 	Certified func(spiffeid.ID) bool
+	// Exempt, if set, is told of the kernel connections the proxy opens
+	// to a local workload (a connection from the node, delivered from the
+	// node's address), before they connect: the node's rules route them
+	// into the TUN like any node traffic, and the classifier lets exactly
+	// these through verbatim instead of capturing them again.
+	Exempt *classify.Exempt
 }
 
 // Proxy handles intercepted TCP connections.
@@ -273,6 +280,7 @@ func (p *Proxy) relayAccepted(rec *record, req *stack.TCPRequest, up net.Conn, a
 	down, err := req.Accept()
 	if err != nil {
 		reset(up)
+		rec.release()
 		if errors.Is(err, syscall.ECONNRESET) {
 			// The client completed its handshake and reset the
 			// connection before the netstack handed it over: a
@@ -287,6 +295,7 @@ func (p *Proxy) relayAccepted(rec *record, req *stack.TCPRequest, up net.Conn, a
 	}
 	rec.opened()
 	startRelay(down, up, rec.sent, rec.received, func(res relayResult) {
+		rec.release() // both sides are closed
 		rec.done(res.AToB, res.BToA, res.Reset)
 		p.open.remove(t)
 	})

@@ -34,6 +34,16 @@ type record struct {
 	reporters []string // "source" and/or "destination"
 
 	sentCtrs, recvCtrs []prometheus.Counter // per reporter, set by opened
+	// exempt, if set, ends the classifier's exemption of the upstream
+	// kernel connection (Config.Exempt); called once its socket is closed.
+	exempt func()
+}
+
+// release ends the upstream connection's exemption, if it has one.
+func (r *record) release() {
+	if r.exempt != nil {
+		r.exempt()
+	}
 }
 
 // newRecord starts the record of a connection from src to dst.

@@ -160,6 +160,9 @@ type Config struct {
 	MaxHalfOpenPerSource int
 	// Policy selects the SYNs to intercept; nil intercepts nothing.
 	Policy Policy
+	// Exempt, if set, holds meshtun's own kernel sockets: a segment from
+	// one of them is never intercepted, whatever the policy says.
+	Exempt *Exempt
 }
 
 // Defaults for zero Config fields.
@@ -297,6 +300,7 @@ type Classifier struct {
 	clock atomic.Int64 // nanoseconds since base, advanced by Sweep
 
 	policy atomic.Pointer[policyBox]
+	exempt *Exempt
 	st     counters
 }
 
@@ -329,6 +333,7 @@ func New(cfg Config) *Classifier {
 		base:         time.Now(),
 		halfBySrc:    make([]atomic.Int32, srcBuckets),
 		maxPerSource: int32(cfg.MaxHalfOpenPerSource),
+		exempt:       cfg.Exempt,
 	}
 	for i := range c.seed {
 		c.seed[i] = rand.Uint64() | 1
@@ -499,10 +504,13 @@ func (c *Classifier) wants(pkt []byte, seg *segment, reverse bool) bool {
 		src = netip.AddrFrom4([4]byte(pkt[12:16]))
 		dst = netip.AddrFrom4([4]byte(pkt[16:20]))
 	}
+	a, b := netip.AddrPortFrom(src, seg.sport), netip.AddrPortFrom(dst, seg.dport)
 	if reverse {
-		return p.InterceptTCP(netip.AddrPortFrom(dst, seg.dport), netip.AddrPortFrom(src, seg.sport))
+		a, b = b, a
 	}
-	return p.InterceptTCP(netip.AddrPortFrom(src, seg.sport), netip.AddrPortFrom(dst, seg.dport))
+	// The registry only when the policy says yes: verbatim traffic does
+	// not pay for it.
+	return p.InterceptTCP(a, b) && !c.exempt.Has(a, b)
 }
 
 // insert adds a new flow to shard s (locked), whose empty slot for the key

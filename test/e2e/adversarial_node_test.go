@@ -7,9 +7,15 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"os"
+	"runtime"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
 
 	"github.com/meshtun/meshtun/test/cluster"
 	"github.com/meshtun/meshtun/test/noderun"
@@ -164,4 +170,204 @@ func TestNodeTrafficIsAuthorized(t *testing.T) {
 			t.Fatalf("pod → a closed port of the external host: %v, want connection refused", err)
 		}
 	})
+}
+
+// oldMark is the socket mark meshtun's rules used to exempt ("fwmark
+// 0x6d74 lookup main"): any process with CAP_NET_RAW could set it.
+const oldMark = 0x6d74
+
+// TestForgedSocketMark: a process of the node (a thread of this test
+// entering the node's namespace as uid 65534 with CAP_NET_RAW only, as a
+// container's default capabilities allow) sets SO_MARK to the mark
+// meshtun used to exempt its own sockets with and dials a STRICT pod of
+// that node in plaintext: refused while meshtun runs (and logged as a
+// refused plaintext connection), refused after meshtun is SIGKILLed, and a
+// capture in the pod's namespace never shows the marker it writes if it
+// connects.
+func TestForgedSocketMark(t *testing.T) {
+	mc := newMeshCluster(t, "fwmark")
+	mc.m1 = mc.start(t, mc.n1)
+	m2 := mc.start(t, mc.n2)
+	strict := mc.p23 // STRICT, node 2
+	srv := serve(t, strict, 7720, func(c net.Conn) { io.Copy(c, c) })
+	onLink := sniff(t, strict.NS)
+
+	attempt := func(what string, dst netip.AddrPort) {
+		t.Helper()
+		marker := []byte(fmt.Sprintf("MESHTUN-FORGED-MARK-%d-%s", time.Now().UnixNano(), what))
+		creds, err := markedDial(mc.n2.NS, dst, oldMark, marker, 3*time.Second)
+		t.Logf("%s: %s → %s: %v", what, creds, dst, err)
+		if err == nil {
+			t.Errorf("%s: a node process with SO_MARK %#x connected to the STRICT pod %s in plaintext", what, oldMark, dst)
+		}
+		if onLink.waitSeen(marker, 500*time.Millisecond) {
+			t.Errorf("%s: the marker reached the STRICT pod's link in plaintext", what)
+		}
+		select {
+		case p := <-srv.peers:
+			t.Errorf("%s: the STRICT pod accepted a connection from %s", what, p)
+		default:
+		}
+	}
+
+	// The capture sees the pod's link: a mesh connection's bytes are
+	// plaintext there (after node 2's proxy).
+	control := []byte(fmt.Sprintf("MESHTUN-CONTROL-%d", time.Now().UnixNano()))
+	cl := dial(t, mc.p11.NS, strict.IPv4, 7720)
+	if _, err := cl.Write(control); err != nil {
+		t.Fatal(err)
+	}
+	if !onLink.waitSeen(control, 10*time.Second) {
+		t.Fatalf("the capture on the STRICT pod's link never saw a mesh connection's bytes (%d captured)", onLink.captured())
+	}
+	cl.Close()
+	<-srv.peers
+
+	for _, dst := range []netip.AddrPort{netip.AddrPortFrom(strict.IPv4, 7720), netip.AddrPortFrom(strict.IPv6, 7720)} {
+		attempt("running", dst)
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		_, err := m2.WaitLog(ctx, func(l noderun.Line) bool {
+			return l.Str("message") == "connection refused" && l.Str("dst.addr") == dst.String() && l.Str("route") == "plaintext"
+		})
+		cancel()
+		if err != nil {
+			t.Errorf("no access log of the refusal of the marked node connection to %s: %v", dst, err)
+		}
+	}
+	m2.Stop(syscall.SIGKILL)
+	for _, dst := range []netip.AddrPort{netip.AddrPortFrom(strict.IPv4, 7720), netip.AddrPortFrom(strict.IPv6, 7720)} {
+		attempt("killed", dst)
+	}
+	// The unprivileged threads are gone: the tests after this one still
+	// run with the binary's privileges.
+	if err := cluster.Preflight(); err != nil {
+		t.Fatalf("after the unprivileged dials: %v", err)
+	}
+}
+
+// markedDial connects to dst from ns as uid and gid 65534 holding
+// CAP_NET_RAW only (effective and permitted), on a socket with SO_MARK
+// mark, and writes marker if it connects. The credentials are set on a
+// thread of its own (Linux credentials are per thread), which is never
+// reused: its goroutine ends locked. It returns what the thread's
+// /proc/thread-self/status said about its credentials, and the error of
+// the dial (nil if it connected within timeout).
+func markedDial(ns *cluster.NS, dst netip.AddrPort, mark int, marker []byte, timeout time.Duration) (string, error) {
+	type result struct {
+		creds string
+		err   error
+	}
+	ch := make(chan result, 1)
+	onFreshThread(func() {
+		var res result
+		defer func() { ch <- res }()
+		target, err := netns.GetFromName(ns.Name())
+		if err != nil {
+			res.err = fmt.Errorf("open %s: %w", ns.Name(), err)
+			return
+		}
+		err = netns.Set(target)
+		target.Close()
+		if err != nil {
+			res.err = fmt.Errorf("enter %s: %w", ns.Name(), err)
+			return
+		}
+		if err := dropToNetRaw(); err != nil {
+			res.err = fmt.Errorf("drop privileges: %w", err)
+			return
+		}
+		if b, err := os.ReadFile("/proc/thread-self/status"); err == nil {
+			for _, l := range strings.Split(string(b), "\n") {
+				if strings.HasPrefix(l, "Uid:") || strings.HasPrefix(l, "CapEff:") || strings.HasPrefix(l, "CapPrm:") {
+					res.creds += strings.Join(strings.Fields(l), " ") + "; "
+				}
+			}
+		}
+		res.err = dialMarked(dst, mark, marker, timeout)
+	})
+	r := <-ch
+	return r.creds, r.err
+}
+
+// onFreshThread runs fn on a goroutine locked to a thread that is not the
+// process's main thread, and never unlocks it: the Go runtime ends the
+// thread with the goroutine, so whatever fn does to the thread's
+// credentials or namespace dies with it. (The main thread cannot end: it
+// would stay, and /proc/self, which shows the main thread, would show its
+// credentials to the rest of the test binary.)
+func onFreshThread(fn func()) {
+	done := make(chan struct{})
+	go func() {
+		runtime.LockOSThread()
+		if unix.Gettid() == unix.Getpid() {
+			// While this goroutine holds the main thread, the next one
+			// runs on another.
+			onFreshThread(fn)
+			runtime.UnlockOSThread()
+			close(done)
+			return
+		}
+		defer close(done)
+		fn()
+	}()
+	<-done
+}
+
+// dialMarked connects to dst on a socket with SO_MARK mark from the
+// calling thread, and writes marker if it connects.
+func dialMarked(dst netip.AddrPort, mark int, marker []byte, timeout time.Duration) error {
+	family := unix.AF_INET6
+	var sa unix.Sockaddr = &unix.SockaddrInet6{Addr: dst.Addr().As16(), Port: int(dst.Port())}
+	if dst.Addr().Is4() {
+		family = unix.AF_INET
+		sa = &unix.SockaddrInet4{Addr: dst.Addr().As4(), Port: int(dst.Port())}
+	}
+	fd, err := unix.Socket(family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_MARK, mark); err != nil {
+		return fmt.Errorf("SO_MARK %#x with CAP_NET_RAW (Linux >= 5.17 allows it): %w", mark, err)
+	}
+	if err := unix.Connect(fd, sa); err != nil && !errors.Is(err, unix.EINPROGRESS) {
+		return fmt.Errorf("connect: %w", err)
+	}
+	pfd := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLOUT}}
+	n, err := unix.Poll(pfd, int(timeout.Milliseconds()))
+	if err != nil {
+		return err
+	}
+	if n == 0 {
+		return fmt.Errorf("connect: timed out after %v", timeout)
+	}
+	if serr, _ := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_ERROR); serr != 0 {
+		return fmt.Errorf("connect: %w", syscall.Errno(serr))
+	}
+	unix.Write(fd, marker) // queued: the close sends it before its FIN
+	return nil
+}
+
+// dropToNetRaw makes the calling thread uid and gid 65534 with
+// CAP_NET_RAW as its only effective and permitted capability, with raw
+// system calls (the syscall package's would change every thread).
+func dropToNetRaw() error {
+	if _, _, e := unix.RawSyscall(unix.SYS_PRCTL, unix.PR_SET_KEEPCAPS, 1, 0); e != 0 {
+		return fmt.Errorf("PR_SET_KEEPCAPS: %w", e)
+	}
+	if _, _, e := unix.RawSyscall(unix.SYS_SETGROUPS, 0, 0, 0); e != 0 {
+		return fmt.Errorf("setgroups: %w", e)
+	}
+	if _, _, e := unix.RawSyscall(unix.SYS_SETRESGID, 65534, 65534, 65534); e != 0 {
+		return fmt.Errorf("setresgid: %w", e)
+	}
+	if _, _, e := unix.RawSyscall(unix.SYS_SETRESUID, 65534, 65534, 65534); e != 0 {
+		return fmt.Errorf("setresuid: %w", e)
+	}
+	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
+	data := [2]unix.CapUserData{{Effective: 1 << unix.CAP_NET_RAW, Permitted: 1 << unix.CAP_NET_RAW}}
+	if err := unix.Capset(&hdr, &data[0]); err != nil {
+		return fmt.Errorf("capset: %w", err)
+	}
+	return nil
 }

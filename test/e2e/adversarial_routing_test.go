@@ -3,6 +3,7 @@ package e2e
 import (
 	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -483,4 +484,175 @@ func TestStrictReversePathFilter(t *testing.T) {
 	if got := values(n1, devs...); fmt.Sprint(got) != fmt.Sprint(want) {
 		t.Errorf("rp_filter after the stop: %v, want %v", got, want)
 	}
+}
+
+// TestSpoofedPodAddress: a local mesh pod's address is accepted only from
+// the pod's own link. A pod outside the mesh (root in its own namespace),
+// the external host beyond the uplink and a process of the node itself (a
+// socket bound to the address with IP_TRANSPARENT, CAP_NET_RAW)
+// send with n1p1's address, IPv4 and IPv6, to a pod of the same node
+// (n1p2) and to a STRICT pod of the other node (n2p3): node 1 drops and
+// counts what reaches it (meshtun_packets_dropped_total{reason=
+// "spoofed-source"}), and neither target's link ever carries a packet from
+// n1p1's address until n1p1 itself connects (AF_PACKET capture in the
+// targets' namespaces).
+func TestSpoofedPodAddress(t *testing.T) {
+	mc := newMeshCluster(t, "spoofpod")
+	mc.m1 = mc.start(t, mc.n1)
+	mc.m2 = mc.start(t, mc.n2)
+	victim, local, remote := mc.p11, mc.p12, mc.p23 // n1p1 mesh, n1p2 mesh, n2p3 STRICT
+	localSrv := serve(t, local, 7710, func(c net.Conn) { io.Copy(c, c) })
+	remoteSrv := serve(t, remote, 7711, func(c net.Conn) { io.Copy(c, c) })
+	onLocal, onRemote := sniff(t, local.NS), sniff(t, remote.NS)
+	spoofed := func() float64 {
+		return value(scrape(t, mc.n1), "meshtun_packets_dropped_total", map[string]string{"reason": "spoofed-source"})
+	}
+	before := spoofed()
+	targets := func(v6 bool) []netip.AddrPort {
+		if v6 {
+			return []netip.AddrPort{netip.AddrPortFrom(local.IPv6, 7710), netip.AddrPortFrom(remote.IPv6, 7711)}
+		}
+		return []netip.AddrPort{netip.AddrPortFrom(local.IPv4, 7710), netip.AddrPortFrom(remote.IPv4, 7711)}
+	}
+	srcOf := func(v6 bool, port uint16) netip.AddrPort {
+		if v6 {
+			return netip.AddrPortFrom(victim.IPv6, port)
+		}
+		return netip.AddrPortFrom(victim.IPv4, port)
+	}
+	want := 0 // spoofed SYNs that reach node 1, at least
+	for _, v6 := range []bool{false, true} {
+		for _, dst := range targets(v6) {
+			// A pod outside the mesh on node 1, with a raw socket.
+			src := srcOf(v6, 40201)
+			if err := sendRaw(mc.p13.NS, synPacket(src, dst)); err != nil {
+				t.Fatalf("send a SYN %s → %s from %s: %v", src, dst, mc.p13.ID, err)
+			}
+			want++
+			// The external host: what it sends to node 1's pods
+			// arrives on node 1's uplink; to node 2's pods it goes to
+			// node 2 directly, whose STRICT pod refuses it.
+			src = srcOf(v6, 40202)
+			if err := sendRaw(mc.ext.NS, synPacket(src, dst)); err != nil {
+				t.Fatalf("send a SYN %s → %s from the external host: %v", src, dst, err)
+			}
+			if dst.Addr() == local.IPv4 || dst.Addr() == local.IPv6 {
+				want++
+			}
+			// A process of node 1: a TCP socket bound to the pod's
+			// address.
+			src = srcOf(v6, 40203)
+			if err := transparentConnect(mc.n1.NS, src, dst, time.Second); err == nil {
+				t.Errorf("node 1 process connected %s → %s with the pod's address", src, dst)
+			} else {
+				t.Logf("node 1 process %s → %s: %v", src, dst, err)
+			}
+			want++
+		}
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for spoofed()-before < float64(want) {
+		if time.Now().After(deadline) {
+			t.Errorf("meshtun_packets_dropped_total{reason=spoofed-source} on node 1 grew by %v, want at least %d (one per spoofed SYN that reached it)", spoofed()-before, want)
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	t.Logf("spoofed-source drops on node 1: %v (at least %d SYNs)", spoofed()-before, want)
+
+	// A packet from n1p1's address on a target's link: its source and
+	// destination addresses, adjacent in the IP header.
+	pair := func(dst netip.Addr) []byte {
+		src := victim.IPv4
+		if dst.Is6() {
+			src = victim.IPv6
+		}
+		return append(src.AsSlice(), dst.AsSlice()...)
+	}
+	for _, c := range []struct {
+		sn  *sniffer
+		dst netip.Addr
+	}{{onLocal, local.IPv4}, {onLocal, local.IPv6}, {onRemote, remote.IPv4}, {onRemote, remote.IPv6}} {
+		if c.sn.seen(pair(c.dst)) {
+			t.Errorf("a packet from %s's address reached %s's link", victim.ID, c.dst)
+		}
+	}
+	for _, s := range []*server{localSrv, remoteSrv} {
+		select {
+		case p := <-s.peers:
+			t.Errorf("a target accepted a connection from %s", p)
+		default:
+		}
+	}
+	for _, m := range []nodeProc{mc.m1, mc.m2} {
+		for _, l := range m.Lines() {
+			if l.Str("src.identity") == id(victim.ID) {
+				t.Errorf("%s logged a connection in %s's name: %v", m.Node.Name(), victim.ID, l)
+			}
+		}
+	}
+
+	// The pod itself still gets through, and the captures see it: they
+	// do see the targets' links.
+	for _, dst := range append(targets(false), targets(true)...) {
+		cl := dial(t, victim.NS, dst.Addr(), int(dst.Port()))
+		echo(t, cl)
+		cl.Close()
+	}
+	for _, c := range []struct {
+		sn  *sniffer
+		dst netip.Addr
+	}{{onLocal, local.IPv4}, {onLocal, local.IPv6}, {onRemote, remote.IPv4}, {onRemote, remote.IPv6}} {
+		if !c.sn.waitSeen(pair(c.dst), 10*time.Second) {
+			t.Errorf("the capture on %s's link never saw %s's own connection (%d bytes captured)", c.dst, victim.ID, c.sn.captured())
+		}
+	}
+}
+
+// transparentConnect opens a TCP connection from src to dst in ns with a
+// socket bound to src with IP_TRANSPARENT (CAP_NET_RAW or CAP_NET_ADMIN:
+// src need not be an address of ns, and the kernel routes the socket's
+// packets by it; IP_FREEBIND alone binds but the connect then fails with
+// "network unreachable"), and closes it if it opened; it returns the
+// dial's error, or nil if it connected within timeout.
+func transparentConnect(ns *cluster.NS, src, dst netip.AddrPort, timeout time.Duration) error {
+	return ns.Do(func() error {
+		family, level, opt := unix.AF_INET, unix.SOL_IP, unix.IP_TRANSPARENT
+		var sa, da unix.Sockaddr
+		if src.Addr().Is6() {
+			family, level, opt = unix.AF_INET6, unix.SOL_IPV6, unix.IPV6_TRANSPARENT
+			sa = &unix.SockaddrInet6{Addr: src.Addr().As16(), Port: int(src.Port())}
+			da = &unix.SockaddrInet6{Addr: dst.Addr().As16(), Port: int(dst.Port())}
+		} else {
+			sa = &unix.SockaddrInet4{Addr: src.Addr().As4(), Port: int(src.Port())}
+			da = &unix.SockaddrInet4{Addr: dst.Addr().As4(), Port: int(dst.Port())}
+		}
+		fd, err := unix.Socket(family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			return err
+		}
+		defer unix.Close(fd)
+		if err := unix.SetsockoptInt(fd, level, opt, 1); err != nil {
+			return fmt.Errorf("transparent: %w", err)
+		}
+		unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_REUSEADDR, 1)
+		if err := unix.Bind(fd, sa); err != nil {
+			return fmt.Errorf("bind %s: %w", src, err)
+		}
+		if err := unix.Connect(fd, da); err != nil && !errors.Is(err, unix.EINPROGRESS) {
+			return fmt.Errorf("connect: %w", err)
+		}
+		pfd := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLOUT}}
+		n, err := unix.Poll(pfd, int(timeout.Milliseconds()))
+		if err != nil {
+			return err
+		}
+		if n == 0 {
+			return fmt.Errorf("connect %s → %s: timed out after %v", src, dst, timeout)
+		}
+		if serr, _ := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_ERROR); serr != 0 {
+			return fmt.Errorf("connect %s → %s: %w", src, dst, syscall.Errno(serr))
+		}
+		return nil
+	})
 }
