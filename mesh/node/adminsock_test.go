@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -19,6 +20,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/meshtun/meshtun/mesh/metrics"
+	"github.com/meshtun/meshtun/stack/classify"
 )
 
 // The child side of TestAdminPrivilegedEndpointsOnlyForRoot: run as an
@@ -128,7 +130,8 @@ func TestAdminPrivilegedEndpointsOnlyForRoot(t *testing.T) {
 
 	sock := filepath.Join(base, "run", "admin.sock")
 	logs := &syncBuf{}
-	n := &node{cfg: Config{AdminAddr: "127.0.0.1:0", AdminSocket: sock}, log: zerolog.New(logs), metrics: metrics.New()}
+	n := &node{cfg: Config{AdminAddr: "127.0.0.1:0", AdminSocket: sock}, log: zerolog.New(logs), metrics: metrics.New(),
+		exempt: classify.NewExempt(func(netip.Addr) bool { return false })}
 	stop, err := n.serveHTTP(context.Background())
 	if err != nil {
 		t.Fatal(err)
