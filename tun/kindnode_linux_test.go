@@ -240,6 +240,27 @@ func kindNode(t *testing.T, name string, v4, v6 bool) {
 			t.Errorf("%s: the node sends to pod %s from %s (want its address %s or the pod's gateway; RPFAddr is %s)", name, a, src, kindNode4, RPFAddr)
 		}
 	}
+	// A lookup limited to link scope (SO_DONTROUTE) skips the TUN's route
+	// of scope global: it must end in the blocking route (scope link), not
+	// in the main table's direct route to the pod.
+	for _, a := range pods {
+		if !a.Is4() {
+			continue // IPv6 routes have no scope
+		}
+		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_DONTROUTE, 1); err != nil {
+			unix.Close(fd)
+			t.Fatal(err)
+		}
+		err = unix.Connect(fd, &unix.SockaddrInet4{Port: 9000, Addr: a.As4()})
+		unix.Close(fd)
+		if !errors.Is(err, unix.EACCES) {
+			t.Errorf("%s: a SO_DONTROUTE socket of the node connects to pod %s with %v, want EACCES (the blocking route), not a route around the TUN", name, a, err)
+		}
+	}
 	// And the other way: what the pod sends (after resolving its gateway,
 	// which a strict capture link would refuse) reaches the TUN.
 	for _, a := range pods {
