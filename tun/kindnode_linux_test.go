@@ -65,7 +65,11 @@ func kindNode(t *testing.T, name string, v4, v6 bool) {
 	inNewNetns(t)
 	for key, val := range map[string]string{
 		"net/ipv4/conf/all/rp_filter": "1", "net/ipv4/conf/default/rp_filter": "1",
-		"net/ipv4/ip_forward": b01(v4 && name != "ipv4-noforward"), "net/ipv6/conf/all/forwarding": b01(v6 && name != "ipv6-noforward"),
+		// kube-proxy's (iptables mode, for NodePorts on 127.0.0.1): with
+		// it a scope-host address counts as scope link in the kernel's
+		// choice of a source address.
+		"net/ipv4/conf/all/route_localnet": "1",
+		"net/ipv4/ip_forward":              b01(v4 && name != "ipv4-noforward"), "net/ipv6/conf/all/forwarding": b01(v6 && name != "ipv6-noforward"),
 	} {
 		if err := writeSysctl(key, val); err != nil {
 			t.Fatal(err)
@@ -216,6 +220,47 @@ func kindNode(t *testing.T, name string, v4, v6 bool) {
 		t.Fatalf("the confined node did not set up:\n%s", strings.Join(lines, "\n"))
 	}
 	t.Logf("confined node:\n%s", strings.Join(lines, "\n"))
+	// The node's own connections to the pod (kubelet probes) are routed
+	// into the TUN: their source, chosen by the kernel, must be one of
+	// the node's addresses the pod can answer, never the TUN's scope-host
+	// RPFAddr (the pod would answer 127.109.116.1 on its own loopback:
+	// on kind every probe timed out).
+	for _, a := range pods {
+		rts, err := netlink.RouteGet(a.AsSlice())
+		if err != nil || len(rts) != 1 {
+			t.Fatalf("%s: route to pod %s: %v %v", name, a, rts, err)
+		}
+		src, _ := netip.AddrFromSlice(rts[0].Src)
+		src = src.Unmap()
+		t.Logf("%s: the node reaches pod %s through link %d from %s", name, a, rts[0].LinkIndex, src)
+		if rts[0].LinkIndex != dev0Index(t) {
+			t.Errorf("%s: the node's route to pod %s is not through the TUN: %v", name, a, rts[0])
+		}
+		if a.Is4() && src != kindNode4 && src != netip.MustParseAddr("10.244.0.1") {
+			t.Errorf("%s: the node sends to pod %s from %s (want its address %s or the pod's gateway; RPFAddr is %s)", name, a, src, kindNode4, RPFAddr)
+		}
+	}
+	// A lookup limited to link scope (SO_DONTROUTE) skips the TUN's route
+	// of scope global: it must end in the blocking route (scope link), not
+	// in the main table's direct route to the pod.
+	for _, a := range pods {
+		if !a.Is4() {
+			continue // IPv6 routes have no scope
+		}
+		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_DONTROUTE, 1); err != nil {
+			unix.Close(fd)
+			t.Fatal(err)
+		}
+		err = unix.Connect(fd, &unix.SockaddrInet4{Port: 9000, Addr: a.As4()})
+		unix.Close(fd)
+		if !errors.Is(err, unix.EACCES) {
+			t.Errorf("%s: a SO_DONTROUTE socket of the node connects to pod %s with %v, want EACCES (the blocking route), not a route around the TUN", name, a, err)
+		}
+	}
 	// And the other way: what the pod sends (after resolving its gateway,
 	// which a strict capture link would refuse) reaches the TUN.
 	for _, a := range pods {
@@ -472,4 +517,15 @@ func udpOf(p []byte) (src, dst netip.Addr, dport uint16, ok bool) {
 		return src, dst, binary.BigEndian.Uint16(p[42:]), true
 	}
 	return
+}
+
+// dev0Index is the index of the confined node's TUN, mt0, in the current
+// namespace.
+func dev0Index(t *testing.T) int {
+	t.Helper()
+	l, err := netlink.LinkByName("mt0")
+	if err != nil {
+		t.Fatalf("the confined node's TUN: %v", err)
+	}
+	return l.Attrs().Index
 }

@@ -124,10 +124,23 @@ func routes(cfg RoutingConfig, dev, sink *Device) []*netlink.Route {
 		{IP: net.IPv4zero, Mask: net.CIDRMask(0, 32)},
 		{IP: net.IPv6zero, Mask: net.CIDRMask(0, 128)},
 	} {
+		// The route through the TUN has scope global, not link: the
+		// kernel picks the source of the node's own connections to a
+		// captured pod (kubelet probes) from the TUN's addresses with
+		// scope up to the route's, and where route_localnet is on
+		// (kube-proxy sets net.ipv4.conf.all.route_localnet=1, so kind
+		// has it) a scope-host address counts as scope link: on a link
+		// route the node sent from RPFAddr (127.109.116.1), to which
+		// the pod answers on its own loopback, and every probe timed
+		// out. With scope global the TUN's scope-host address is never
+		// picked and the node's global address is. The blocking route
+		// gets scope link so that a lookup limited to link scope
+		// (SO_DONTROUTE) still ends in it instead of falling through to
+		// the main table's direct route to the pod.
 		if dev != nil {
-			out = append(out, &netlink.Route{LinkIndex: dev.Index(), Dst: dst, Table: cfg.Table, Scope: netlink.SCOPE_LINK, Priority: tunMetric})
+			out = append(out, &netlink.Route{LinkIndex: dev.Index(), Dst: dst, Table: cfg.Table, Scope: netlink.SCOPE_UNIVERSE, Priority: tunMetric})
 		}
-		out = append(out, &netlink.Route{Type: unix.RTN_PROHIBIT, Dst: dst, Table: cfg.Table, Priority: BlockMetric})
+		out = append(out, &netlink.Route{Type: unix.RTN_PROHIBIT, Dst: dst, Table: cfg.Table, Scope: netlink.SCOPE_LINK, Priority: BlockMetric})
 		if sink != nil {
 			out = append(out, &netlink.Route{LinkIndex: sink.Index(), Dst: dst, Table: cfg.Table + 1, Scope: netlink.SCOPE_LINK, Priority: tunMetric})
 		}

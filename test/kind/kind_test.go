@@ -738,17 +738,11 @@ spec:
 // kubelet's HTTP readiness and TCP liveness probes (plaintext from the
 // node) keep passing: the pod stays Ready and is never restarted.
 //
-// KNOWN FAILING (issue 21): on kind the kubelet's probes of a captured pod
-// time out (the node's own connections to the pod go to meshtun0 and get
-// no answer; `curl` from the node to a PERMISSIVE mesh pod times out too),
-// so the STRICT pod goes unready and is restarted ("False 1" after 11 s).
-// Until that is fixed the test runs only with MESHTUN_TEST_KIND_PROBES=1,
-// so that `make test` stays green; the mesh server of the shared workloads
-// has no readiness probe for the same reason.
+// It failed on kind until the TUN's route got scope global: kube-proxy
+// sets net.ipv4.conf.all.route_localnet=1, with which the kernel chose
+// the TUN's scope-host address 127.109.116.1 as the source of the node's
+// connections to a captured pod, and the pod answered on its own loopback.
 func TestStrictPodProbes(t *testing.T) {
-	if os.Getenv("MESHTUN_TEST_KIND_PROBES") != "1" {
-		t.Skip("known failing on kind: kubelet probes of a captured pod time out (issue 21); MESHTUN_TEST_KIND_PROBES=1 runs it")
-	}
 	ctx := context.Background()
 	mesh, plain := meshWorkloads(t)
 	if _, err := cl.KubectlIn(ctx, istioCRDs, "apply", "-f", "-"); err != nil {
