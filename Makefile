@@ -6,7 +6,7 @@ PKGS    := ./...
 # html/template use turns off the linker's dead-code elimination of methods
 # (binary 102 → 57 MB, RSS at start −12 MiB; docs/ARCHITECTURE.md "What the
 # binary and its RSS at start are made of"). Every build of meshtun passes it:
-# here, test/noderun.BuildTags, deploy/image.
+# here, bench/noderun.BuildTags, deploy/image.
 GOTAGS  := grpcnotrace
 
 .PHONY: all build test unit e2e vet fuzz bench bench-kube demo mutate clean image image-push image-test kind-up kind-down

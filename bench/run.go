@@ -14,12 +14,12 @@ import (
 
 	"github.com/rs/zerolog"
 
+	"github.com/meshtun/meshtun/bench/cluster"
 	"github.com/meshtun/meshtun/bench/gen"
 	"github.com/meshtun/meshtun/bench/procstat"
 	"github.com/meshtun/meshtun/bench/report"
 	"github.com/meshtun/meshtun/bench/stats"
 	"github.com/meshtun/meshtun/bench/topo"
-	"github.com/meshtun/meshtun/test/cluster"
 )
 
 // Options configure a run.

@@ -11,9 +11,9 @@ import (
 	"strings"
 	"time"
 
+	"github.com/meshtun/meshtun/bench/cluster"
+	"github.com/meshtun/meshtun/bench/noderun"
 	"github.com/meshtun/meshtun/mesh/node"
-	"github.com/meshtun/meshtun/test/cluster"
-	"github.com/meshtun/meshtun/test/noderun"
 )
 
 // readyTimeout bounds the wait for a proxy to say it is ready.

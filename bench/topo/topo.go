@@ -1,5 +1,5 @@
 // Package topo builds the benchmark's sealed topology: a network-namespace
-// cluster (test/cluster) with one pair of nodes per data path, one pod on
+// cluster (bench/cluster) with one pair of nodes per data path, one pod on
 // each node, and the proxies of each path started on its nodes. The paths
 // exist side by side, so a benchmark can interleave them without
 // restarting anything.
@@ -18,8 +18,8 @@ import (
 
 	"github.com/rs/zerolog"
 
-	"github.com/meshtun/meshtun/test/cluster"
-	"github.com/meshtun/meshtun/test/noderun"
+	"github.com/meshtun/meshtun/bench/cluster"
+	"github.com/meshtun/meshtun/bench/noderun"
 )
 
 // Path names.

@@ -18,8 +18,8 @@ import (
 	"github.com/rs/zerolog"
 	"github.com/vishvananda/netlink"
 
-	"github.com/meshtun/meshtun/test/cluster"
-	"github.com/meshtun/meshtun/test/noderun"
+	"github.com/meshtun/meshtun/bench/cluster"
+	"github.com/meshtun/meshtun/bench/noderun"
 )
 
 // meshtunBin is built once by TestMain for the topology test.

@@ -19,7 +19,7 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
-	"github.com/meshtun/meshtun/test/cluster"
+	"github.com/meshtun/meshtun/bench/cluster"
 )
 
 // WireGuardModule and WireGuardVersion name the wireguard-go peer. The

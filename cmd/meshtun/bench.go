@@ -12,9 +12,9 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/meshtun/meshtun/bench"
+	"github.com/meshtun/meshtun/bench/cluster"
 	"github.com/meshtun/meshtun/bench/report"
 	"github.com/meshtun/meshtun/bench/topo"
-	"github.com/meshtun/meshtun/test/cluster"
 )
 
 // benchFiles is the open-file limit the benchmark needs: 10,000 idle

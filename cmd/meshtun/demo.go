@@ -13,8 +13,8 @@ import (
 
 	"github.com/rs/zerolog"
 
+	"github.com/meshtun/meshtun/bench/cluster"
 	"github.com/meshtun/meshtun/cmd/meshtun/internal/demo"
-	"github.com/meshtun/meshtun/test/cluster"
 )
 
 // demoFlags are the flags of `meshtun demo`.

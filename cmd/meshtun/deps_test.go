@@ -6,7 +6,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/meshtun/meshtun/test/noderun"
+	"github.com/meshtun/meshtun/bench/noderun"
 )
 
 // TestBinaryLeavesOut checks that packages that cost the binary its size

@@ -97,7 +97,7 @@ func ParsePlatforms(s string) ([]Platform, error) {
 }
 
 // buildTags are the build tags of every meshtun build (the Makefile's
-// GOTAGS, test/noderun.BuildTags): grpcnotrace keeps gRPC's x/net/trace,
+// GOTAGS, bench/noderun.BuildTags): grpcnotrace keeps gRPC's x/net/trace,
 // which turns off the linker's dead-code elimination of methods, out.
 const buildTags = "grpcnotrace"
 

@@ -11,8 +11,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/meshtun/meshtun/test/cluster"
-	"github.com/meshtun/meshtun/test/noderun"
+	"github.com/meshtun/meshtun/bench/cluster"
+	"github.com/meshtun/meshtun/bench/noderun"
 )
 
 // l7Mesh is the mesh of TestAdversarialConfig: n1p1 is "client", n2p1

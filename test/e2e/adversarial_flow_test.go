@@ -20,7 +20,7 @@ import (
 	"gvisor.dev/gvisor/pkg/tcpip/checksum"
 	"gvisor.dev/gvisor/pkg/tcpip/header"
 
-	"github.com/meshtun/meshtun/test/cluster"
+	"github.com/meshtun/meshtun/bench/cluster"
 )
 
 // The adversarial flow tests attack the flow state of the data path: a

@@ -17,8 +17,8 @@ import (
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
-	"github.com/meshtun/meshtun/test/cluster"
-	"github.com/meshtun/meshtun/test/noderun"
+	"github.com/meshtun/meshtun/bench/cluster"
+	"github.com/meshtun/meshtun/bench/noderun"
 )
 
 // TestNodeTrafficIsAuthorized: a process of the node itself (a socket in

@@ -15,7 +15,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/meshtun/meshtun/test/cluster"
+	"github.com/meshtun/meshtun/bench/cluster"
 )
 
 // recordHeader16K is a TLS record header announcing a 16 KiB handshake

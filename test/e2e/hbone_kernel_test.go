@@ -11,8 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/meshtun/meshtun/bench/noderun"
 	"github.com/meshtun/meshtun/mesh/node"
-	"github.com/meshtun/meshtun/test/noderun"
 )
 
 // TestInboundHBONESocket checks which socket terminates inbound HBONE: by

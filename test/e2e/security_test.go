@@ -20,10 +20,10 @@ import (
 	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
 	"golang.org/x/sys/unix"
 
+	"github.com/meshtun/meshtun/bench/cluster"
+	"github.com/meshtun/meshtun/bench/noderun"
 	"github.com/meshtun/meshtun/mesh/identity"
 	"github.com/meshtun/meshtun/protocols/hbone"
-	"github.com/meshtun/meshtun/test/cluster"
-	"github.com/meshtun/meshtun/test/noderun"
 )
 
 // sniffer captures every frame on the fabric (the node-to-node bridge)

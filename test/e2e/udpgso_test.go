@@ -11,7 +11,7 @@ import (
 
 	"golang.org/x/net/ipv4"
 
-	"github.com/meshtun/meshtun/test/cluster"
+	"github.com/meshtun/meshtun/bench/cluster"
 )
 
 // TestVerbatimUDPCoalesced: a fast stream of datagrams from a pod to a pod

@@ -21,9 +21,9 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	sigsyaml "sigs.k8s.io/yaml"
 
+	"github.com/meshtun/meshtun/bench/cluster"
+	"github.com/meshtun/meshtun/bench/noderun"
 	"github.com/meshtun/meshtun/mesh/identity"
-	"github.com/meshtun/meshtun/test/cluster"
-	"github.com/meshtun/meshtun/test/noderun"
 )
 
 // caPort is the port of `meshtun ca` in the control plane's namespace.

@@ -15,8 +15,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/meshtun/meshtun/bench/cluster"
 	"github.com/meshtun/meshtun/mesh/identity"
-	"github.com/meshtun/meshtun/test/cluster"
 )
 
 // TestCARootBootstrap: with deploy/kubernetes applied and nothing else,

@@ -16,9 +16,9 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/meshtun/meshtun/bench/cluster"
+	"github.com/meshtun/meshtun/bench/noderun"
 	"github.com/meshtun/meshtun/mesh/cni"
-	"github.com/meshtun/meshtun/test/cluster"
-	"github.com/meshtun/meshtun/test/noderun"
 
 	"net/netip"
 )

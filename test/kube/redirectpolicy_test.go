@@ -15,10 +15,10 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/meshtun/meshtun/bench/cluster"
 	meshkube "github.com/meshtun/meshtun/mesh/kube"
 	"github.com/meshtun/meshtun/mesh/kube/kubeapi"
 	"github.com/meshtun/meshtun/mesh/registry"
-	"github.com/meshtun/meshtun/test/cluster"
 )
 
 const (

@@ -26,8 +26,8 @@ import (
 
 	"github.com/rs/zerolog"
 
-	"github.com/meshtun/meshtun/test/cluster"
-	"github.com/meshtun/meshtun/test/noderun"
+	"github.com/meshtun/meshtun/bench/cluster"
+	"github.com/meshtun/meshtun/bench/noderun"
 )
 
 // ExternalName is the name of the host outside the cluster in flows.

@@ -9,7 +9,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/meshtun/meshtun/test/noderun"
+	"github.com/meshtun/meshtun/bench/noderun"
 )
 
 // Routes a flow can take, as the node's access log names them, plus

@@ -18,7 +18,7 @@ import (
 	"golang.org/x/net/ipv4"
 	"golang.org/x/net/ipv6"
 
-	"github.com/meshtun/meshtun/test/cluster"
+	"github.com/meshtun/meshtun/bench/cluster"
 )
 
 // Kind is what a flow exchanges.

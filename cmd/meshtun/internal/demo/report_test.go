@@ -5,7 +5,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/meshtun/meshtun/test/noderun"
+	"github.com/meshtun/meshtun/bench/noderun"
 )
 
 // TestApplyLog checks how a flow's route, identities and outcome follow

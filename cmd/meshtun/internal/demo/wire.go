@@ -12,7 +12,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/meshtun/meshtun/test/cluster"
+	"github.com/meshtun/meshtun/bench/cluster"
 )
 
 // wire captures every frame in the fabric namespace (both ends of every

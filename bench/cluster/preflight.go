@@ -2,6 +2,7 @@ package cluster
 
 import (
 	"bufio"
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -9,7 +10,6 @@ import (
 	"reflect"
 	"strconv"
 	"strings"
-	"testing"
 
 	"github.com/rs/zerolog"
 )
@@ -72,11 +72,23 @@ func effectiveCaps() (uint64, error) {
 	return 0, fmt.Errorf("no CapEff line in /proc/self/status")
 }
 
-// NewT builds a cluster for a test or benchmark and closes it in
-// t.Cleanup. It fails the test (never skips) with a message naming what is
-// missing if the machine cannot host the cluster. If spec.Log is the zero
-// Logger, messages go to the test log.
-func NewT(t testing.TB, spec Spec) *Cluster {
+// TB is the part of testing.TB that NewT uses, so that this package (which
+// meshtun's demo and bench link) needs no import of testing.
+type TB interface {
+	Helper()
+	Log(args ...any)
+	Logf(format string, args ...any)
+	Errorf(format string, args ...any)
+	Fatalf(format string, args ...any)
+	Cleanup(func())
+	Context() context.Context
+}
+
+// NewT builds a cluster for a test or benchmark (t is its *testing.T or
+// *testing.B) and closes it in t.Cleanup. It fails the test (never skips)
+// with a message naming what is missing if the machine cannot host the
+// cluster. If spec.Log is the zero Logger, messages go to the test log.
+func NewT(t TB, spec Spec) *Cluster {
 	t.Helper()
 	if err := Preflight(); err != nil {
 		t.Fatalf("cluster: this test needs root, network namespaces and /dev/net/tun: %v", err)

@@ -20,8 +20,8 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/meshtun/meshtun/bench/cluster"
 	"github.com/meshtun/meshtun/mesh/node"
-	"github.com/meshtun/meshtun/test/cluster"
 )
 
 // Line is one JSON log record of a node process.
