@@ -35,9 +35,16 @@ func TestBinaryLeavesOut(t *testing.T) {
 		// mesh/kube/kubeapi, not client-go's clientset, informer
 		// factory, discovery or typed clients.
 		"k8s.io/client-go/kubernetes/scheme": "all of Kubernetes' API types, registered at start",
+		// The DaemonSet image ships this binary: no test code in it.
+		"testing": "test code (bench/cluster's NewT takes cluster.TB for this)",
 	} {
 		if deps[p] {
 			t.Errorf("meshtun links %s: %s", p, why)
+		}
+	}
+	for p := range deps {
+		if strings.HasPrefix(p, "github.com/meshtun/meshtun/test/") {
+			t.Errorf("meshtun links %s: test code; what demo and bench need belongs in a product package", p)
 		}
 	}
 	mk, err := os.ReadFile("../../Makefile")
