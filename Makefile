@@ -141,12 +141,14 @@ image-test:
 # about 25 CPU-minutes the first time), then builds and loads meshtun:dev,
 # applies deploy/kubernetes/ as docs/kubernetes.md says and waits until the
 # DaemonSet is ready on every node. kind-down deletes the cluster and its
-# podman network. The kubeconfig is printed by kind-up.
+# podman network. The kubeconfig is printed by kind-up. KIND_NAME picks
+# another cluster (e.g. one kept by the tests with MESHTUN_KIND_KEEP=1).
+KIND_NAME ?= meshtun
 kind-up:
-	cd test/kind && $(GO) run ./cmd/kindctl up meshtun
+	cd test/kind && $(GO) run ./cmd/kindctl up $(KIND_NAME)
 
 kind-down:
-	cd test/kind && $(GO) run ./cmd/kindctl down meshtun
+	cd test/kind && $(GO) run ./cmd/kindctl down $(KIND_NAME)
 
 clean:
 	rm -rf bin

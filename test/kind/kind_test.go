@@ -55,6 +55,16 @@ func run(m *testing.M) int {
 	// and concurrent runs are never touched.
 	name := "meshtun-e2e-" + randHex(3)
 	dir, err := os.MkdirTemp("", "meshtun-kind-")
+	if os.Getenv("MESHTUN_KIND_KEEP") == "1" {
+		// A kept cluster's files (kubeconfig, podman's containers.conf) go
+		// where kindctl looks for them: `make kind-down KIND_NAME=...` and
+		// MESHTUN_KIND_CLUSTER=... find it later.
+		var cache string
+		if cache, err = kind.CacheDir(); err == nil {
+			dir = filepath.Join(cache, "clusters", name)
+			err = os.MkdirAll(dir, 0o755)
+		}
+	}
 	if err != nil {
 		logf("FAIL: %v", err)
 		return 1
@@ -66,7 +76,7 @@ func run(m *testing.M) int {
 			return
 		}
 		if os.Getenv("MESHTUN_KIND_KEEP") == "1" {
-			logf("keeping cluster %s (kubeconfig %s)", c.Name, c.Kubeconfig)
+			logf("keeping cluster %s (kubeconfig %s; remove it with make kind-down KIND_NAME=%s)", c.Name, c.Kubeconfig, c.Name)
 			return
 		}
 		if err := c.Delete(context.Background()); err != nil {
