@@ -47,6 +47,17 @@ func TestBinaryLeavesOut(t *testing.T) {
 			t.Errorf("meshtun links %s: test code; what demo and bench need belongs in a product package", p)
 		}
 	}
+	// The node image's build (deploy/image: -tags nolab) has no lab
+	// commands: no namespace-cluster builder, no bench, no demo.
+	out, err = exec.Command("go", "list", "-deps", "-tags", noderun.BuildTags+",nolab", ".").Output()
+	if err != nil {
+		t.Fatalf("go list -tags nolab: %v", err)
+	}
+	for _, p := range strings.Fields(string(out)) {
+		if strings.HasPrefix(p, "github.com/meshtun/meshtun/bench") || p == "github.com/meshtun/meshtun/cmd/meshtun/internal/demo" {
+			t.Errorf("meshtun -tags nolab links %s: a lab package in the node image's binary", p)
+		}
+	}
 	mk, err := os.ReadFile("../../Makefile")
 	if err != nil {
 		t.Fatal(err)

@@ -258,6 +258,11 @@ func TestArchive(t *testing.T) {
 	if !strings.HasPrefix(string(out), "meshtun ") {
 		t.Errorf("meshtun %q printed %q, want its version", cf.Config.Cmd, out)
 	}
+	// The node image's binary has no lab commands (build tag nolab).
+	out, err = exec.Command(exe, "demo").CombinedOutput()
+	if err == nil || !strings.Contains(string(out), "nolab") {
+		t.Errorf("meshtun demo from the layer: %v %q, want it refused (built with -tags nolab)", err, out)
+	}
 
 	// Reproducible: a second build of the same commit is the same archive.
 	archive2 := filepath.Join(dir, "img2.tar")
