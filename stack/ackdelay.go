@@ -25,7 +25,7 @@ import (
 // processor's ACK write sat between a request and its relay on both legs,
 // and same-run A/Bs measured request/response p50 -7 to -14 µs; on a
 // cross-node mesh connection (one netstack end per node) they measured no
-// gain beyond the noise (docs/ARCHITECTURE.md, "The bare ACK").
+// gain beyond the noise (docs/decisions/2026-12-01-levers-round-two.md).
 //
 // An ACK is held when it carries no data, no SYN, FIN or RST, no SACK
 // block (a duplicate ACK reporting a loss goes at once), and acknowledges

@@ -1,6 +1,6 @@
 // Command floors summarises the profiles and counters that `meshtun bench
 // --pprof DIR` writes, for the floors of the speed targets
-// (docs/ARCHITECTURE.md, "The floors of the unmet targets"):
+// (docs/decisions/2026-12-01-floors-of-unmet-targets.md):
 //
 //	go run ./bench/floors DIR [DIR...]
 //

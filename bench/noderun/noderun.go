@@ -106,19 +106,46 @@ func AdminSocket(dir string, n *cluster.Node) string {
 // 127.0.0.1:15000 of its own namespace and its admin socket at
 // AdminSocket(dir, node).
 func WriteConfig(c *cluster.Cluster, dir string, m Mesh) (string, error) {
+	return writeConfig(c, dir, m, filepath.Join(dir, "mesh.yaml"), filepath.Join(dir, "ca"))
+}
+
+// WriteNodeConfig writes the nodes' copy of the config file WriteConfig
+// writes (the same mesh, from the same dir and m) to dir/node.yaml and
+// returns its path. It leaves ca.dir out: a node with a node credential
+// (IssueNodeCredential) trusts the roots stored in that credential and has
+// no business with the directory that holds the CA's root key, as on a
+// deployed node, which has its credential and no access to the CA's
+// directory. The certificate service and `meshtun ca issue-node` keep the
+// file of WriteConfig. Refused with m.InsecureSharedCA, whose nodes hold the
+// root key.
+func WriteNodeConfig(c *cluster.Cluster, dir string, m Mesh) (string, error) {
+	if m.InsecureSharedCA {
+		return "", errors.New("noderun: WriteNodeConfig: with InsecureSharedCA the nodes read the CA directory; use WriteConfig")
+	}
+	return writeConfig(c, dir, m, filepath.Join(dir, "node.yaml"), "")
+}
+
+// writeConfig writes the config to path; caDir is ca.dir, left out if
+// empty.
+func writeConfig(c *cluster.Cluster, dir string, m Mesh, path, caDir string) (string, error) {
 	var b strings.Builder
-	fmt.Fprintf(&b, "# Generated for cluster %s.\ntrustDomain: cluster.local\nca: {dir: %q", c.Name, filepath.Join(dir, "ca"))
+	fmt.Fprintf(&b, "# Generated for cluster %s.\ntrustDomain: cluster.local\nca: {", c.Name)
+	var ca []string
+	if caDir != "" {
+		ca = append(ca, fmt.Sprintf("dir: %q", caDir))
+	}
 	switch {
 	case m.InsecureSharedCA:
-		b.WriteString(", insecureSharedDir: true")
+		ca = append(ca, "insecureSharedDir: true")
 	case c.Control == nil:
 		return "", errors.New("noderun: the cluster has no control host for meshtun ca (cluster.Spec.Control), and the mesh does not ask for InsecureSharedCA")
 	default:
-		fmt.Fprintf(&b, ", address: %q, listen: %q", CAAddr(c), CAAddr(c))
+		ca = append(ca, fmt.Sprintf("address: %q, listen: %q", CAAddr(c), CAAddr(c)))
 	}
 	if m.SVIDTTL > 0 {
-		fmt.Fprintf(&b, ", svidTTL: %s", m.SVIDTTL)
+		ca = append(ca, fmt.Sprintf("svidTTL: %s", m.SVIDTTL))
 	}
+	b.WriteString(strings.Join(ca, ", "))
 	b.WriteString(m.CAExtra)
 	b.WriteString("}\nnodes:\n")
 	for _, n := range c.Nodes {
@@ -171,7 +198,6 @@ func WriteConfig(c *cluster.Cluster, dir string, m Mesh) (string, error) {
 		}
 	}
 	b.WriteString(m.Extra)
-	path := filepath.Join(dir, "mesh.yaml")
 	if err := os.WriteFile(path, []byte(b.String()), 0o644); err != nil {
 		return "", fmt.Errorf("noderun: write config: %w", err)
 	}

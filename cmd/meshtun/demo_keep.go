@@ -121,7 +121,7 @@ func keepUp(ctx context.Context, d *demo.Demo, mode string, jsonOut bool, ready 
 	fmt.Fprintf(w, "For example, through meshtun from client to echo:\n  %sip netns exec %s bash -c 'exec 3<>/dev/tcp/%s/8080; echo hi >&3; head -1 <&3'\n", enter, client.NS.Name(), echo.IPv4)
 	fmt.Fprintf(w, "  %sip netns exec %s ping -c1 %s\n", enter, client.NS.Name(), echo.IPv4)
 	fmt.Fprintf(w, "Watch node n1's port on the node-to-node link: %sip netns exec %s tcpdump -ni n1\n", enter, d.FabricNS())
-	fmt.Fprintf(w, "Generated config, the built-in CA's root and the node logs: %s (config.json, ca/, node-n1.log, node-n2.log)\n", d.Dir())
+	fmt.Fprintf(w, "Generated configs, the built-in CA's root and the node logs: %s (config.json, mesh.yaml and ca/ of meshtun ca, node.yaml and nodes/<node>/ of the nodes, ca.log, node-n1.log, node-n2.log)\n", d.Dir())
 
 	if ready == nil {
 		fmt.Fprintf(w, "Rootless: the namespaces live only as long as this process. Press Ctrl-C to tear everything down.\n")

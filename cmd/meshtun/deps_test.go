@@ -11,8 +11,8 @@ import (
 
 // TestBinaryLeavesOut checks that packages that cost the binary its size
 // and its RSS at start stay out of meshtun as every build makes it (with
-// noderun.BuildTags): see docs/ARCHITECTURE.md "What the binary and its RSS
-// at start are made of".
+// noderun.BuildTags): see
+// docs/decisions/2026-12-01-binary-size-rss.md.
 func TestBinaryLeavesOut(t *testing.T) {
 	out, err := exec.Command("go", "list", "-deps", "-tags", noderun.BuildTags, ".").Output()
 	if err != nil {

@@ -17,6 +17,9 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/meshtun/meshtun/mesh/config"
+	"github.com/meshtun/meshtun/mesh/identity"
 )
 
 // nobody is the unprivileged user the rootless demo runs as.
@@ -32,8 +35,9 @@ type demoSummary struct {
 	Cluster    string   `json:"cluster"`
 	Namespaces []string `json:"namespaces"`
 	Nodes      []struct {
-		Name string `json:"name"`
-		PID  int    `json:"pid"`
+		Name string   `json:"name"`
+		PID  int      `json:"pid"`
+		Args []string `json:"args"`
 	} `json:"nodes"`
 	Dir     string  `json:"dir"`
 	OK      bool    `json:"ok"`
@@ -103,6 +107,7 @@ func TestDemo(t *testing.T) {
 		if _, err := os.Stat(filepath.Join(s.Dir, "config.json")); err != nil {
 			t.Errorf("kept cluster: generated config: %v", err)
 		}
+		checkNodesTrust(t, s)
 		if out, err := demoCommand(t, bin, false, "--down").CombinedOutput(); err != nil {
 			t.Fatalf("meshtun demo --down: %v\n%s", err, out)
 		}
@@ -432,4 +437,75 @@ func (w *watchWriter) String() string {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	return w.buf.String()
+}
+
+// checkNodesTrust checks the trust model of the kept demo's nodes: no path
+// a node is given (its flags, its config file and every absolute path in
+// it, ca.dir included) is or is in a directory holding the CA's root key,
+// and each node trusts its own copy of the CA's root certificate (the
+// roots.pem of its credential).
+func checkNodesTrust(t *testing.T, s demoSummary) {
+	t.Helper()
+	rootCert, err := os.ReadFile(filepath.Join(s.Dir, "ca", identity.RootCertFile))
+	if err != nil {
+		t.Fatalf("kept cluster: the CA's root certificate: %v", err)
+	}
+	if len(s.Nodes) == 0 {
+		t.Fatal("kept cluster: the summary lists no node")
+	}
+	for _, n := range s.Nodes {
+		var paths []string
+		flag := func(name string) string {
+			for i, a := range n.Args {
+				if (a == "--"+name || a == "-"+name) && i+1 < len(n.Args) {
+					return n.Args[i+1]
+				}
+			}
+			t.Fatalf("node %s: no --%s in its arguments %q", n.Name, name, n.Args)
+			return ""
+		}
+		cfgPath, credDir := flag("config"), flag("credentials")
+		paths = append(paths, cfgPath, credDir)
+		for _, a := range n.Args {
+			if filepath.IsAbs(a) {
+				paths = append(paths, a)
+			}
+		}
+		data, err := os.ReadFile(cfgPath)
+		if err != nil {
+			t.Fatalf("node %s: config: %v", n.Name, err)
+		}
+		for _, f := range strings.FieldsFunc(string(data), func(r rune) bool {
+			return r == '"' || r == ' ' || r == ',' || r == '{' || r == '}' || r == '[' || r == ']' || r == '\n'
+		}) {
+			if filepath.IsAbs(f) {
+				paths = append(paths, f)
+			}
+		}
+		c, err := config.Load(cfgPath)
+		if err != nil {
+			t.Fatalf("node %s: config: %v", n.Name, err)
+		}
+		paths = append(paths, c.CA.Dir)
+		seen := map[string]bool{}
+		for _, p := range paths {
+			if seen[p] {
+				continue
+			}
+			seen[p] = true
+			dir := p
+			if fi, err := os.Stat(p); err == nil && !fi.IsDir() {
+				dir = filepath.Dir(p)
+			}
+			if _, err := os.Stat(filepath.Join(dir, identity.RootKeyFile)); err == nil {
+				t.Errorf("node %s is given %s, which is in %s, the directory of the CA's root key", n.Name, p, dir)
+			}
+		}
+		roots, err := os.ReadFile(filepath.Join(credDir, identity.NodeRootsFile))
+		if err != nil {
+			t.Errorf("node %s: its copy of the CA's roots: %v", n.Name, err)
+		} else if !bytes.Equal(bytes.TrimSpace(roots), bytes.TrimSpace(rootCert)) {
+			t.Errorf("node %s: its roots %s differ from the CA's root certificate", n.Name, filepath.Join(credDir, identity.NodeRootsFile))
+		}
+	}
 }

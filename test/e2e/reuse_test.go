@@ -26,8 +26,8 @@ import (
 // client's final ACK of the previous connection is queued on the closing
 // endpoint, and gVisor answers segments left on a closed endpoint with a
 // reset unless another registered endpoint matches; it never offers them
-// to the TCP forwarder (see docs/ARCHITECTURE.md, "A port reused at
-// once"). A proxy that refuses the tuple for longer, as a netstack TIME_WAIT
+// to the TCP forwarder (see
+// docs/decisions/2026-11-29-port-reuse.md). A proxy that refuses the tuple for longer, as a netstack TIME_WAIT
 // of 60 s did, still fails the test.
 func dialFrom(t testing.TB, ns *cluster.NS, src, dst netip.AddrPort) (net.Conn, error) {
 	t.Helper()

@@ -8,8 +8,8 @@
 // whose init registers every built-in API group (56 packages of types):
 // in meshtun that was 4 MiB of the binary's text resident in every node at
 // start, half of the init allocations and a sixth of the binary, for kinds
-// it never touches. See docs/ARCHITECTURE.md "What the binary and its RSS
-// at start are made of".
+// it never touches. See
+// docs/decisions/2026-12-01-binary-size-rss.md.
 package kubeapi
 
 import (

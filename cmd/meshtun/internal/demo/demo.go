@@ -117,7 +117,7 @@ type Demo struct {
 	// ca is `meshtun ca` on the cluster's control host; the nodes hold no
 	// CA key, only their node credentials.
 	ca *noderun.Process
-	// configPath is the generated mesh config file.
+	// configPath is the generated mesh config file of `meshtun ca`.
 	configPath string
 	dir        string
 	wire       *wire
@@ -231,7 +231,15 @@ func (d *Demo) startNodes(ctx context.Context) error {
 			return fmt.Errorf("demo: %w", err)
 		}
 	}
-	nodeFlags := []string{"--config", cfgPath, "--log-level", "info"}
+	// The nodes run with their own copy of the config, which does not
+	// name the CA's directory: each trusts the root certificate stored
+	// with its credential (roots.pem), and the root key stays with
+	// `meshtun ca`, as in a deployment.
+	nodeCfg, err := noderun.WriteNodeConfig(d.cluster, d.dir, mesh)
+	if err != nil {
+		return fmt.Errorf("demo: %w", err)
+	}
+	nodeFlags := []string{"--config", nodeCfg, "--log-level", "info"}
 	procs := make([]*noderun.Process, len(d.cluster.Nodes))
 	errs := make([]error, len(d.cluster.Nodes))
 	var wg sync.WaitGroup
