@@ -93,17 +93,18 @@ func (f *cniFlags) startGate(ctx context.Context, g *gate.Gate, log zerolog.Logg
 	conf := f.pluginConf()
 	ensure := func(first bool) {
 		path, changed, err := cni.EnsureInConflist(f.confDir, conf)
+		src, _ := cni.FindConflist(f.confDir)
 		switch {
 		case errors.Is(err, os.ErrNotExist):
-			if first {
-				log.Warn().Str("conf_dir", f.confDir).Msg("no CNI conflist yet: the plugin is added when the pod network writes one")
+			if first || changed {
+				log.Warn().Str("conf_dir", f.confDir).Msg("no pod network CNI configuration yet: meshtun's conflist is written when the pod network writes one")
 			}
 		case err != nil:
-			log.Error().Err(err).Str("conf_dir", f.confDir).Msg("cannot add meshtun-cni to the node's conflist: pods start without the startup gate")
+			log.Error().Err(err).Str("conf_dir", f.confDir).Msg("cannot write meshtun-cni's conflist: pods start without the startup gate")
 		case changed:
-			log.Info().Str("conflist", path).Msg("meshtun-cni added to the node's conflist")
+			log.Info().Str("conflist", path).Str("pod_network", src).Msg("meshtun-cni's conflist written")
 		case first:
-			log.Info().Str("conflist", path).Msg("meshtun-cni already in the node's conflist")
+			log.Info().Str("conflist", path).Str("pod_network", src).Msg("meshtun-cni's conflist up to date")
 		}
 	}
 	ensure(true)

@@ -36,8 +36,9 @@ func TestCNIFlags(t *testing.T) {
 	}
 }
 
-// TestCNIUninstall removes the plugin from every conflist, its binary and
-// the gate's directory, and leaves the rest of the conflist.
+// TestCNIUninstall removes meshtun's conflist, the plugin from every other
+// conflist, its binary and the gate's directory, and leaves the rest of
+// the conflist.
 func TestCNIUninstall(t *testing.T) {
 	root := t.TempDir()
 	bin, conf, dir := filepath.Join(root, "bin"), filepath.Join(root, "net.d"), filepath.Join(root, "cni")
@@ -51,13 +52,18 @@ func TestCNIUninstall(t *testing.T) {
 		t.Fatal(err)
 	}
 	path := filepath.Join(conf, "10-k.conflist")
-	os.WriteFile(path, list, 0o644)
+	os.WriteFile(path, list, 0o644) // chained in place, as an earlier meshtun did
+	own := filepath.Join(conf, cni.OwnConflist)
+	os.WriteFile(own, list, 0o644)
 	if err := runCNI(context.Background(), []string{"uninstall", "--cni-bin-dir", bin, "--cni-conf-dir", conf, "--cni-dir", dir}); err != nil {
 		t.Fatal(err)
 	}
 	data, _ := os.ReadFile(path)
 	if cni.HasPlugin(data) || !strings.Contains(string(data), `"ptp"`) {
 		t.Errorf("conflist after uninstall:\n%s", data)
+	}
+	if _, err := os.Stat(own); !os.IsNotExist(err) {
+		t.Errorf("%s after uninstall: %v", own, err)
 	}
 	if _, err := os.Stat(filepath.Join(bin, cni.PluginType)); !os.IsNotExist(err) {
 		t.Errorf("plugin binary: %v", err)

@@ -158,16 +158,22 @@ func sameJSON(a, b []byte) bool {
 	return bytes.Equal(ja, jb)
 }
 
-// FindConflist returns the conflist the container runtime uses in dir:
-// the first of its CNI configuration files (*.conf, *.conflist, *.json)
-// by name, as containerd and CRI-O choose it. It is an error if that file
-// is not a .conflist (a single plugin cannot be chained) and
-// os.ErrNotExist (wrapped) if dir has none yet: the pod network's own
-// installer has not written it.
-func FindConflist(dir string) (string, error) {
+// OwnConflist is the CNI configuration meshtun keeps in the node's
+// directory: a copy of the pod network's configuration with the plugin
+// chained last, named to sort before it, so that the runtime (containerd
+// and CRI-O use the first file by name) runs the plugin while the pod
+// network's own file stays as its installer wrote it. A pod network that
+// rewrites its file at start (kindnet does, after every node reboot)
+// then cannot drop the gate: the copy stays first, with the plugin, while
+// meshtun is down, and meshtun copies the new content when it runs.
+const OwnConflist = "00-meshtun.conflist"
+
+// configFiles returns the CNI configuration files in dir (*.conf,
+// *.conflist, *.json) sorted by name, as the runtime orders them.
+func configFiles(dir string) ([]string, error) {
 	ents, err := os.ReadDir(dir)
 	if err != nil {
-		return "", fmt.Errorf("cni: config directory: %w", err)
+		return nil, fmt.Errorf("cni: config directory: %w", err)
 	}
 	var names []string
 	for _, e := range ents {
@@ -180,52 +186,120 @@ func FindConflist(dir string) (string, error) {
 			names = append(names, n)
 		}
 	}
-	if len(names) == 0 {
-		return "", fmt.Errorf("cni: no CNI configuration in %s yet: %w", dir, os.ErrNotExist)
-	}
 	slices.Sort(names)
-	path := filepath.Join(dir, names[0])
-	if filepath.Ext(path) != ".conflist" {
-		return "", fmt.Errorf("cni: %s is the runtime's CNI configuration and not a .conflist: the plugin cannot be chained to it", path)
-	}
-	return path, nil
+	return names, nil
 }
 
-// EnsureInConflist adds the plugin to the conflist the runtime uses in
-// dir (FindConflist), rewriting it atomically only if it changes. It
-// returns the file's path and whether it was rewritten.
+// FindConflist returns the pod network's CNI configuration in dir: the
+// first configuration file by name other than OwnConflist, as the runtime
+// would choose it without meshtun. It is os.ErrNotExist (wrapped) if dir
+// has none yet: the pod network's installer has not written it.
+func FindConflist(dir string) (string, error) {
+	names, err := configFiles(dir)
+	if err != nil {
+		return "", err
+	}
+	for _, n := range names {
+		if n != OwnConflist {
+			return filepath.Join(dir, n), nil
+		}
+	}
+	return "", fmt.Errorf("cni: no CNI configuration in %s yet: %w", dir, os.ErrNotExist)
+}
+
+// asConflist returns a CNI configuration file's content as a conflist: a
+// single-plugin .conf becomes a list of that one plugin, with its name and
+// version.
+func asConflist(path string, data []byte) ([]byte, error) {
+	if filepath.Ext(path) == ".conflist" {
+		return data, nil
+	}
+	dec := json.NewDecoder(bytes.NewReader(data))
+	dec.UseNumber()
+	var conf map[string]any
+	if err := dec.Decode(&conf); err != nil {
+		return nil, fmt.Errorf("cni: %s: %w", path, err)
+	}
+	if _, ok := conf["plugins"]; ok {
+		return data, nil // a conflist under another extension
+	}
+	if _, ok := conf["type"].(string); !ok {
+		return nil, fmt.Errorf(`cni: %s: no "type" and no "plugins": not a CNI configuration`, path)
+	}
+	doc := map[string]any{"cniVersion": conf["cniVersion"], "name": conf["name"], "plugins": []any{conf}}
+	return marshalConflist(doc)
+}
+
+// EnsureInConflist keeps OwnConflist in dir the pod network's
+// configuration (FindConflist) with the plugin chained last, rewriting it
+// atomically only when it changes, and takes the plugin out of the pod
+// network's own file where an earlier meshtun put it. It returns the path
+// of OwnConflist and whether it was written. Without a pod network
+// configuration it removes OwnConflist (no stale network is kept alive)
+// and returns os.ErrNotExist (wrapped).
 func EnsureInConflist(dir string, conf PluginConf) (string, bool, error) {
-	path, err := FindConflist(dir)
+	own := filepath.Join(dir, OwnConflist)
+	src, err := FindConflist(dir)
+	if errors.Is(err, os.ErrNotExist) {
+		if rerr := os.Remove(own); rerr == nil {
+			return own, true, err
+		}
+	}
 	if err != nil {
-		return "", false, err
+		return own, false, err
 	}
-	data, err := readBounded(path)
+	if filepath.Base(src) < OwnConflist {
+		return own, false, fmt.Errorf("cni: %s sorts before %s: the runtime would not use meshtun's configuration (rename it to sort after %s)", src, OwnConflist, OwnConflist)
+	}
+	data, err := readBounded(src)
 	if err != nil {
-		return path, false, err
+		return own, false, err
 	}
-	out, changed, err := AddPlugin(data, conf)
+	if filepath.Ext(src) == ".conflist" && HasPlugin(data) {
+		// Chained in place by an earlier meshtun: the copy holds it now.
+		stripped, _, err := RemovePlugin(data)
+		if err != nil {
+			return own, false, fmt.Errorf("%s: %w", src, err)
+		}
+		st, err := os.Stat(src)
+		if err != nil {
+			return own, false, err
+		}
+		if err := writeAtomic(src, stripped, st.Mode().Perm()); err != nil {
+			return own, false, err
+		}
+		data = stripped
+	}
+	list, err := asConflist(src, data)
 	if err != nil {
-		return path, false, fmt.Errorf("%s: %w", path, err)
+		return own, false, err
 	}
-	if !changed {
-		return path, false, nil
-	}
-	st, err := os.Stat(path)
+	out, _, err := AddPlugin(list, conf)
 	if err != nil {
-		return path, false, err
+		return own, false, fmt.Errorf("%s: %w", src, err)
 	}
-	return path, true, writeAtomic(path, out, st.Mode().Perm())
+	if old, err := readBounded(own); err == nil && sameJSON(old, out) {
+		return own, false, nil
+	}
+	return own, true, writeAtomic(own, out, 0o644)
 }
 
-// RemoveFromConflists removes the plugin from every conflist in dir and
-// returns the files it rewrote.
+// RemoveFromConflists removes OwnConflist from dir and the plugin from
+// every other conflist there (an earlier meshtun chained it in place),
+// and returns the files it removed or rewrote.
 func RemoveFromConflists(dir string) ([]string, error) {
-	paths, err := filepath.Glob(filepath.Join(dir, "*.conflist"))
-	if err != nil {
-		return nil, err
-	}
 	var done []string
 	var errs []error
+	own := filepath.Join(dir, OwnConflist)
+	if err := os.Remove(own); err == nil {
+		done = append(done, own)
+	} else if !errors.Is(err, os.ErrNotExist) {
+		errs = append(errs, err)
+	}
+	paths, err := filepath.Glob(filepath.Join(dir, "*.conflist"))
+	if err != nil {
+		return done, err
+	}
 	for _, path := range paths {
 		data, err := readBounded(path)
 		if err != nil {

@@ -109,9 +109,11 @@ func TestRemovePlugin(t *testing.T) {
 	}
 }
 
-// TestEnsureInConflist edits the runtime's conflist (the first CNI file
-// by name) in place, keeping its mode, rewrites it only when it changes,
-// and says so when there is none yet or the first is not a conflist.
+// TestEnsureInConflist keeps OwnConflist, first by name, a copy of the
+// pod network's configuration (the first other file) with the plugin
+// chained last, leaves the pod network's file as its installer wrote it,
+// writes only on a change, follows the pod network's rewrites, and is
+// removed by RemoveFromConflists.
 func TestEnsureInConflist(t *testing.T) {
 	dir := t.TempDir()
 	if _, _, err := EnsureInConflist(dir, testConf); !errors.Is(err, os.ErrNotExist) {
@@ -124,52 +126,111 @@ func TestEnsureInConflist(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	own := filepath.Join(dir, OwnConflist)
 	path, changed, err := EnsureInConflist(dir, testConf)
-	if err != nil || !changed || path != first {
+	if err != nil || !changed || path != own {
 		t.Fatalf("EnsureInConflist: %s, changed %v, err %v", path, changed, err)
 	}
-	data, _ := os.ReadFile(first)
+	names, _ := configFiles(dir)
+	if names[0] != OwnConflist {
+		t.Errorf("the runtime's first configuration is %s, want %s", names[0], OwnConflist)
+	}
+	data, _ := os.ReadFile(own)
 	if !HasPlugin(data) {
-		t.Errorf("%s lacks the plugin:\n%s", first, data)
+		t.Errorf("%s lacks the plugin:\n%s", own, data)
 	}
-	if data, _ := os.ReadFile(second); HasPlugin(data) {
-		t.Errorf("%s (not the runtime's) was edited", second)
+	want, _, _ := AddPlugin([]byte(kindnetConflist), testConf)
+	if !sameJSON(data, want) {
+		t.Errorf("%s is not the pod network's conflist with the plugin last:\n%s", own, data)
 	}
-	st, _ := os.Stat(first)
-	if st.Mode().Perm() != 0o640 {
-		t.Errorf("mode %v, want 0640", st.Mode().Perm())
+	for _, p := range []string{first, second} {
+		if data, _ := os.ReadFile(p); string(data) != kindnetConflist {
+			t.Errorf("%s (the pod network's) was edited:\n%s", p, data)
+		}
 	}
+	st, _ := os.Stat(own)
 	before := st.ModTime()
 	if _, changed, err := EnsureInConflist(dir, testConf); err != nil || changed {
 		t.Errorf("second ensure: changed %v, err %v", changed, err)
 	}
-	if st, _ := os.Stat(first); !st.ModTime().Equal(before) {
+	if st, _ := os.Stat(own); !st.ModTime().Equal(before) {
 		t.Error("second ensure rewrote the file")
 	}
-	// The pod network rewrites its conflist: the plugin goes back in.
-	os.WriteFile(first, []byte(kindnetConflist), 0o640)
+	// The pod network rewrites its conflist with new content: the copy
+	// follows, the plugin still last.
+	changedNet := strings.Replace(kindnetConflist, `"mtu": 1500`, `"mtu": 1400`, 1)
+	if changedNet == kindnetConflist {
+		t.Fatal("test conflist has no mtu to change")
+	}
+	os.WriteFile(first, []byte(changedNet), 0o640)
 	if _, changed, err := EnsureInConflist(dir, testConf); err != nil || !changed {
 		t.Errorf("after a rewrite: changed %v, err %v", changed, err)
 	}
+	if data, _ := os.ReadFile(own); !strings.Contains(string(data), "1400") || !HasPlugin(data) {
+		t.Errorf("copy after the pod network's rewrite:\n%s", data)
+	}
+	// An earlier meshtun chained the plugin into the pod network's file:
+	// it is taken out there and kept in the copy.
+	inPlace, _, _ := AddPlugin([]byte(changedNet), testConf)
+	os.WriteFile(first, inPlace, 0o640)
+	if _, _, err := EnsureInConflist(dir, testConf); err != nil {
+		t.Fatal(err)
+	}
+	if data, _ := os.ReadFile(first); HasPlugin(data) {
+		t.Errorf("the plugin is still in the pod network's file:\n%s", data)
+	}
+	if st, _ := os.Stat(first); st.Mode().Perm() != 0o640 {
+		t.Errorf("pod network's file mode %v, want 0640 kept", st.Mode().Perm())
+	}
 	// No temporary file is left behind.
-	ents, _ := os.ReadDir(dir)
-	if len(ents) != 2 {
+	if ents, _ := os.ReadDir(dir); len(ents) != 3 {
 		t.Errorf("files in %s: %v", dir, ents)
 	}
 
 	done, err := RemoveFromConflists(dir)
-	if err != nil || len(done) != 1 || done[0] != first {
+	if err != nil || len(done) != 1 || done[0] != own {
 		t.Errorf("RemoveFromConflists: %v, %v", done, err)
 	}
-	if data, _ := os.ReadFile(first); HasPlugin(data) {
-		t.Error("plugin still in the conflist after RemoveFromConflists")
+	if _, err := os.Stat(own); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("%s after RemoveFromConflists: %v", own, err)
 	}
 
-	// A single-plugin .conf first: cannot be chained.
-	os.WriteFile(filepath.Join(dir, "05-single.conf"), []byte(`{"type":"bridge"}`), 0o644)
-	if _, _, err := EnsureInConflist(dir, testConf); err == nil || errors.Is(err, os.ErrNotExist) {
-		t.Errorf(".conf first: %v, want an error", err)
+	// A single-plugin .conf first: the copy is a conflist of it and the
+	// plugin.
+	single := filepath.Join(dir, "05-single.conf")
+	os.WriteFile(single, []byte(`{"cniVersion":"0.4.0","name":"br","type":"bridge"}`), 0o644)
+	if _, _, err := EnsureInConflist(dir, testConf); err != nil {
+		t.Fatalf(".conf first: %v", err)
 	}
+	_, plugins, err := parseConflist(mustReadFile(t, own))
+	if err != nil || len(plugins) != 2 || plugins[0].(map[string]any)["type"] != "bridge" || !isOurs(plugins[1]) {
+		t.Errorf("copy of a .conf: %v, %v", plugins, err)
+	}
+	// The pod network's configuration goes away: so does the copy.
+	for _, p := range []string{single, first, second} {
+		os.Remove(p)
+	}
+	if _, _, err := EnsureInConflist(dir, testConf); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("without a pod network: %v", err)
+	}
+	if _, err := os.Stat(own); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("%s kept without a pod network: %v", own, err)
+	}
+	// A configuration that sorts before the copy: an error, never a
+	// silent gate that the runtime does not run.
+	os.WriteFile(filepath.Join(dir, "00-aaa.conflist"), []byte(kindnetConflist), 0o644)
+	if _, _, err := EnsureInConflist(dir, testConf); err == nil || errors.Is(err, os.ErrNotExist) {
+		t.Errorf("a file before ours: %v, want an error", err)
+	}
+}
+
+func mustReadFile(t *testing.T, path string) []byte {
+	t.Helper()
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return data
 }
 
 // TestInstallBinary copies the plugin, executable, and not again when the

@@ -39,7 +39,7 @@ type cniHost struct {
 // did not install it.
 func (h cniHost) pluginConf(t *testing.T) map[string]any {
 	t.Helper()
-	data, err := os.ReadFile(filepath.Join(h.confDir, "10-kindnet.conflist"))
+	data, err := os.ReadFile(filepath.Join(h.confDir, cni.OwnConflist))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -269,22 +269,29 @@ func TestCNIGate(t *testing.T) {
 		}
 	})
 
-	t.Run("plugin put back when the pod network rewrites its conflist", func(t *testing.T) {
+	t.Run("copy follows when the pod network rewrites its conflist", func(t *testing.T) {
 		mark := m1.Len()
 		path := filepath.Join(h.confDir, "10-kindnet.conflist")
-		// As kindnet does: a new file renamed over the old one.
+		own := filepath.Join(h.confDir, cni.OwnConflist)
+		// As kindnet does at every start: a new file renamed over the old
+		// one, here with a new MTU.
+		rewritten := strings.Replace(testConflist, `"mtu": 1500`, `"mtu": 1400`, 1)
 		tmp := filepath.Join(h.confDir, "kindnet.tmp")
-		if err := os.WriteFile(tmp, []byte(testConflist), 0o644); err != nil {
+		if err := os.WriteFile(tmp, []byte(rewritten), 0o644); err != nil {
 			t.Fatal(err)
 		}
 		if err := os.Rename(tmp, path); err != nil {
 			t.Fatal(err)
 		}
-		waitLog(t, m1, mark, "plugin added back", func(l noderun.Line) bool {
-			return l.Str("message") == "meshtun-cni added to the node's conflist" && l.Str("conflist") == path
+		waitLog(t, m1, mark, "copy updated", func(l noderun.Line) bool {
+			return l.Str("message") == "meshtun-cni's conflist written" && l.Str("conflist") == own && l.Str("pod_network") == path
 		})
-		if !cni.HasPlugin(mustRead(t, path)) {
-			t.Errorf("conflist without the plugin after the node said it added it back:\n%s", mustRead(t, path))
+		data := mustRead(t, own)
+		if !cni.HasPlugin(data) || !strings.Contains(string(data), "1400") {
+			t.Errorf("meshtun's conflist after the pod network's rewrite:\n%s", data)
+		}
+		if string(mustRead(t, path)) != rewritten {
+			t.Errorf("the node edited the pod network's own file:\n%s", mustRead(t, path))
 		}
 	})
 
@@ -303,8 +310,8 @@ func TestCNIGate(t *testing.T) {
 		if code != 0 {
 			t.Errorf("ADD of a pod outside the mesh with the node stopped: exit %d: %s", code, out)
 		}
-		if !cni.HasPlugin(mustRead(t, filepath.Join(h.confDir, "10-kindnet.conflist"))) {
-			t.Error("the stopping node removed the plugin from the conflist: pods would start uncaptured before the next one")
+		if !cni.HasPlugin(mustRead(t, filepath.Join(h.confDir, cni.OwnConflist))) {
+			t.Error("the stopping node removed meshtun's conflist: pods would start uncaptured before the next one")
 		}
 	})
 }
