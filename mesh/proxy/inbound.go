@@ -6,13 +6,13 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
-	"sync/atomic"
 	"syscall"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 
 	"github.com/meshtun/meshtun/mesh/registry"
 	"github.com/meshtun/meshtun/protocols/hbone"
+	"github.com/meshtun/meshtun/protocols/relay"
 	"github.com/meshtun/meshtun/stack"
 )
 
@@ -91,13 +91,13 @@ func (p *Proxy) connect(ctx context.Context, r *hbone.Request) (net.Conn, error)
 		return fail(hbone.ErrUnreachable, err)
 	}
 	rec.opened()
-	cc := &countedConn{Conn: up, onSent: rec.sent, onRecv: rec.received}
-	t := p.open.add(az, func() { cc.Abort() })
-	cc.done = func(sent, recv int64, reset bool) {
+	// The HBONE server relays up and reports what moved to its meter
+	// (relay.Metered), also when it never relays it (relay.Abandon).
+	t := p.open.add(az, func() { up.Abort() })
+	return &inboundConn{Conn: up, meter: relay.Meter{AToB: rec.sent, BToA: rec.received, Done: func(r relay.Result) {
 		p.open.remove(t)
-		rec.done(sent, recv, reset)
-	}
-	return cc, nil
+		rec.done(r.AToB, r.BToA, r.Reset)
+	}}}, nil
 }
 
 // UnknownService is the dst.service (log and metric label) of an inbound
@@ -165,57 +165,14 @@ func (p *Proxy) inboundPlain(snap *registry.Snapshot, req *stack.TCPRequest, src
 	p.deliver(req, rec, az, req.Dst)
 }
 
-// countedConn counts the bytes of an upstream connection the HBONE server
-// relays, and reports them when the server closes it. Writes go to the
-// workload (sent by the client), reads come from it.
-type countedConn struct {
+// inboundConn is the upstream connection of an inbound HBONE request: the
+// HBONE server's relay counts its bytes (relay.Metered) for the record:
+// bytes written to it were sent by the client, bytes read from it are
+// received.
+type inboundConn struct {
 	*stack.Conn
-	sent, recv atomic.Int64
-	reset      atomic.Bool
-	closed     atomic.Bool
-	done       func(sent, recv int64, reset bool)
-	// onSent and onRecv are told of bytes as they move (live metrics).
-	onSent, onRecv func(int)
+	meter relay.Meter
 }
 
-func (c *countedConn) Read(b []byte) (int, error) {
-	n, err := c.Conn.Read(b)
-	c.recv.Add(int64(n))
-	if n > 0 {
-		c.onRecv(n)
-	}
-	if err != nil && errors.Is(err, syscall.ECONNRESET) {
-		c.reset.Store(true)
-	}
-	return n, err
-}
-
-func (c *countedConn) Write(b []byte) (int, error) {
-	n, err := c.Conn.Write(b)
-	c.sent.Add(int64(n))
-	if n > 0 {
-		c.onSent(n)
-	}
-	return n, err
-}
-
-// Abort resets the workload's connection (the client reset its stream, or
-// a policy change or drain deadline closed it).
-func (c *countedConn) Abort() error {
-	c.reset.Store(true)
-	err := c.Conn.Abort()
-	c.finish()
-	return err
-}
-
-func (c *countedConn) Close() error {
-	err := c.Conn.Close()
-	c.finish()
-	return err
-}
-
-func (c *countedConn) finish() {
-	if c.closed.CompareAndSwap(false, true) {
-		c.done(c.sent.Load(), c.recv.Load(), c.reset.Load())
-	}
-}
+// RelayMeter implements relay.Metered.
+func (c *inboundConn) RelayMeter() relay.Meter { return c.meter }

@@ -1,4 +1,4 @@
-package proxy
+package relay
 
 import (
 	"io"
@@ -13,8 +13,8 @@ import (
 func BenchmarkRelayKernel(b *testing.B) {
 	client, a := tcpPairB(b)
 	bb, server := tcpPairB(b)
-	res := make(chan relayResult, 1)
-	startRelay(a, bb, nil, nil, func(r relayResult) { res <- r })
+	res := make(chan Result, 1)
+	Start(a, bb, Meter{Done: func(r Result) { res <- r }})
 	chunk := make([]byte, 1<<20)
 	done := make(chan int64, 1)
 	go func() {
@@ -45,8 +45,8 @@ func BenchmarkRelayKernel(b *testing.B) {
 // allocations.
 func BenchmarkRelayPingPong(b *testing.B) {
 	a, c := newMemConn(), newMemConn()
-	res := make(chan relayResult, 1)
-	startRelay(a, c, nil, nil, func(r relayResult) { res <- r })
+	res := make(chan Result, 1)
+	Start(a, c, Meter{Done: func(r Result) { res <- r }})
 	msg := make([]byte, 128)
 	b.ReportAllocs()
 	b.ResetTimer()
@@ -73,12 +73,12 @@ func BenchmarkRelayIdle(b *testing.B) {
 		runtime.ReadMemStats(&before)
 		base := runtime.NumGoroutine()
 		conns := make([][2]*memConn, n)
-		res := make(chan relayResult, n)
+		res := make(chan Result, n)
 		msg := make([]byte, 128)
 		for i := range conns {
 			a, c := newMemConn(), newMemConn()
 			conns[i] = [2]*memConn{a, c}
-			startRelay(a, c, nil, nil, func(r relayResult) { res <- r })
+			Start(a, c, Meter{Done: func(r Result) { res <- r }})
 			a.feed(msg)
 			<-c.out
 			c.feed(msg)
