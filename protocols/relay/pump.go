@@ -113,6 +113,14 @@ func New(a, b Conn, m Meter) *Pump {
 	p := &Pump{a: a, b: b, meter: m}
 	p.ab = half{p: p, src: a, dst: b, on: m.AToB}
 	p.ba = half{p: p, src: b, dst: a, on: m.BToA}
+	for _, h := range []*half{&p.ab, &p.ba} {
+		if c, ok := h.src.(*net.TCPConn); ok {
+			if rc, err := c.SyscallConn(); err == nil {
+				h.tcp, h.rc = c, rc
+				h.fill = h.fillKernel
+			}
+		}
+	}
 	return p
 }
 
@@ -201,6 +209,13 @@ type half struct {
 	large    bool  // the last read filled a small buffer
 	idle     Idle  // waits for a ReadNotifier source
 	notify   func()
+	// A kernel socket source: its raw connection, and fillKernel as a
+	// value made once, with what it read (kb, kerr).
+	tcp  *net.TCPConn
+	rc   syscall.RawConn
+	fill func(fd uintptr) bool
+	kb   readBuf
+	kerr error
 }
 
 // count accounts n bytes written to dst.
@@ -352,10 +367,8 @@ func (b *readBuf) put() {
 // holds none (ReadNotifier sources are read only once they are readable).
 // Other connections are read with the buffer held for the wait.
 func (h *half) read() readBuf {
-	if c, ok := h.src.(*net.TCPConn); ok {
-		if rc, err := c.SyscallConn(); err == nil {
-			return h.readKernel(c, rc)
-		}
+	if h.rc != nil {
+		return h.readKernel()
 	}
 	b := h.get()
 	b.n, b.err = h.src.Read(b.bytes())
@@ -363,34 +376,38 @@ func (h *half) read() readBuf {
 }
 
 // readKernel is read on a kernel socket: the read happens inside the
-// poller's callback, with a buffer taken for it alone.
-func (h *half) readKernel(src *net.TCPConn, rc syscall.RawConn) readBuf {
-	// The runtime's poller calls the function again each time the
-	// socket turns readable; the buffer goes back to the pool between
-	// calls.
-	var b readBuf
-	var err error
-	cerr := rc.Read(func(fd uintptr) bool {
-		b = h.get()
-		for {
-			b.n, err = unix.Read(int(fd), b.bytes())
-			if err != unix.EINTR {
-				break
-			}
-		}
-		if err == unix.EAGAIN {
-			b.put()
-			return false
-		}
-		return true
-	})
+// poller's callback (fillKernel), with a buffer taken for it alone. The
+// runtime's poller calls fillKernel again each time the socket turns
+// readable; the buffer goes back to the pool between calls.
+func (h *half) readKernel() readBuf {
+	cerr := h.rc.Read(h.fill)
+	b, err := h.kb, h.kerr
+	h.kb, h.kerr = readBuf{}, nil
 	switch {
 	case b.small == nil && b.big == nil: // the wait ended without a read: closed, deadline
 		b.n, b.err = 0, cerr
 	case err != nil:
-		b.n, b.err = 0, &net.OpError{Op: "read", Net: "tcp", Source: src.LocalAddr(), Addr: src.RemoteAddr(), Err: os.NewSyscallError("read", err)}
+		b.n, b.err = 0, &net.OpError{Op: "read", Net: "tcp", Source: h.tcp.LocalAddr(), Addr: h.tcp.RemoteAddr(), Err: os.NewSyscallError("read", err)}
 	case b.n == 0:
 		b.err = io.EOF
 	}
 	return b
+}
+
+// fillKernel is readKernel's callback: one read(2) into a pooled buffer.
+func (h *half) fillKernel(fd uintptr) bool {
+	h.kb = h.get()
+	var err error
+	for {
+		h.kb.n, err = unix.Read(int(fd), h.kb.bytes())
+		if err != unix.EINTR {
+			break
+		}
+	}
+	if err == unix.EAGAIN {
+		h.kb.put()
+		return false
+	}
+	h.kerr = err
+	return true
 }
