@@ -18,9 +18,10 @@ import (
 
 var errNotReady = errors.New("netstack not ready")
 
-// inbound terminates an HBONE connection to a local workload's port 15008:
-// the handshake completes at once (TLS needs it) and the HBONE server takes
-// over; its Handler is connect.
+// inbound terminates an HBONE connection to a local workload's port 15008
+// that reached the netstack's forwarder (no listener holds that address):
+// the handshake completes at once (TLS needs it) and the HBONE server
+// takes over; its Handler is connect.
 func (p *Proxy) inbound(req *stack.TCPRequest, dst *registry.Workload) {
 	c, err := req.Accept()
 	if err != nil {
@@ -28,21 +29,31 @@ func (p *Proxy) inbound(req *stack.TCPRequest, dst *registry.Workload) {
 			Msg("HBONE connection: handshake failed")
 		return
 	}
-	p.hboneNetstack.Add(1)
-	p.server.Load().ServeConn(p.ctx, c)
+	p.serveHBONE(c, false)
 }
 
 // ServeNetstackHBONE serves an HBONE connection that the netstack accepted
 // on a local workload's port 15008 (a stack.Listener, which answers SYN
 // floods with SYN cookies); the HBONE server takes over, as for inbound.
-func (p *Proxy) ServeNetstackHBONE(c *stack.Conn) {
+func (p *Proxy) ServeNetstackHBONE(c *stack.Conn) { p.serveHBONE(c, false) }
+
+// serveHBONE hands an inbound HBONE connection to the HBONE server: the
+// one way in for the three places one arrives (the netstack's forwarder
+// and listeners, serving it on the caller's goroutine, and a kernel
+// socket, on a goroutine of its own once within the server's bounds). It
+// resets c if no server is set.
+func (p *Proxy) serveHBONE(c net.Conn, kernel bool) {
 	srv := p.server.Load()
-	if srv == nil {
-		c.Abort()
-		return
+	switch {
+	case srv == nil:
+		relay.Abort(c)
+	case kernel:
+		p.hboneKernel.Add(1)
+		srv.Go(p.ctx, c)
+	default:
+		p.hboneNetstack.Add(1)
+		srv.ServeConn(p.ctx, c)
 	}
-	p.hboneNetstack.Add(1)
-	srv.ServeConn(p.ctx, c)
 }
 
 // InboundHandler returns the hbone.Handler that delivers inbound streams
