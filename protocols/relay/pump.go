@@ -116,8 +116,9 @@ func New(a, b Conn, m Meter) *Pump {
 	for _, h := range []*half{&p.ab, &p.ba} {
 		if c, ok := h.src.(*net.TCPConn); ok {
 			if rc, err := c.SyscallConn(); err == nil {
-				h.tcp, h.rc = c, rc
-				h.fill = h.fillKernel
+				k := &kernelSource{tcp: c, rc: rc}
+				k.fill = func(fd uintptr) bool { return h.fillKernel(k, fd) }
+				h.kernel = k
 			}
 		}
 	}
@@ -209,13 +210,17 @@ type half struct {
 	large    bool  // the last read filled a small buffer
 	idle     Idle  // waits for a ReadNotifier source
 	notify   func()
-	// A kernel socket source: its raw connection, and fillKernel as a
-	// value made once, with what it read (kb, kerr).
+	kernel   *kernelSource // src, if it is a kernel socket
+}
+
+// kernelSource is a kernel socket source: its raw connection, and
+// fillKernel as a value made once, with what it read.
+type kernelSource struct {
 	tcp  *net.TCPConn
 	rc   syscall.RawConn
 	fill func(fd uintptr) bool
-	kb   readBuf
-	kerr error
+	b    readBuf
+	err  error
 }
 
 // count accounts n bytes written to dst.
@@ -367,8 +372,8 @@ func (b *readBuf) put() {
 // holds none (ReadNotifier sources are read only once they are readable).
 // Other connections are read with the buffer held for the wait.
 func (h *half) read() readBuf {
-	if h.rc != nil {
-		return h.readKernel()
+	if h.kernel != nil {
+		return h.readKernel(h.kernel)
 	}
 	b := h.get()
 	b.n, b.err = h.src.Read(b.bytes())
@@ -379,15 +384,15 @@ func (h *half) read() readBuf {
 // poller's callback (fillKernel), with a buffer taken for it alone. The
 // runtime's poller calls fillKernel again each time the socket turns
 // readable; the buffer goes back to the pool between calls.
-func (h *half) readKernel() readBuf {
-	cerr := h.rc.Read(h.fill)
-	b, err := h.kb, h.kerr
-	h.kb, h.kerr = readBuf{}, nil
+func (h *half) readKernel(k *kernelSource) readBuf {
+	cerr := k.rc.Read(k.fill)
+	b, err := k.b, k.err
+	k.b, k.err = readBuf{}, nil
 	switch {
 	case b.small == nil && b.big == nil: // the wait ended without a read: closed, deadline
 		b.n, b.err = 0, cerr
 	case err != nil:
-		b.n, b.err = 0, &net.OpError{Op: "read", Net: "tcp", Source: h.tcp.LocalAddr(), Addr: h.tcp.RemoteAddr(), Err: os.NewSyscallError("read", err)}
+		b.n, b.err = 0, &net.OpError{Op: "read", Net: "tcp", Source: k.tcp.LocalAddr(), Addr: k.tcp.RemoteAddr(), Err: os.NewSyscallError("read", err)}
 	case b.n == 0:
 		b.err = io.EOF
 	}
@@ -395,19 +400,19 @@ func (h *half) readKernel() readBuf {
 }
 
 // fillKernel is readKernel's callback: one read(2) into a pooled buffer.
-func (h *half) fillKernel(fd uintptr) bool {
-	h.kb = h.get()
+func (h *half) fillKernel(k *kernelSource, fd uintptr) bool {
+	k.b = h.get()
 	var err error
 	for {
-		h.kb.n, err = unix.Read(int(fd), h.kb.bytes())
+		k.b.n, err = unix.Read(int(fd), k.b.bytes())
 		if err != unix.EINTR {
 			break
 		}
 	}
 	if err == unix.EAGAIN {
-		h.kb.put()
+		k.b.put()
 		return false
 	}
-	h.kerr = err
+	k.err = err
 	return true
 }
