@@ -240,3 +240,29 @@ func TestRelayIdleHoldsNoGoroutine(t *testing.T) {
 		t.Fatal("relay did not end after both EOFs")
 	}
 }
+
+// meteredMem is a memConn that brings a meter.
+type meteredMem struct {
+	*memConn
+	done chan Result
+}
+
+func (c *meteredMem) RelayMeter() Meter { return Meter{Done: func(r Result) { c.done <- r }} }
+
+// TestAbandonTellsMeter: a connection that will not be relayed is closed
+// and its meter told of a reset with nothing moved.
+func TestAbandonTellsMeter(t *testing.T) {
+	c := &meteredMem{memConn: newMemConn(), done: make(chan Result, 1)}
+	Abandon(c)
+	select {
+	case r := <-c.done:
+		if !r.Reset || r.AToB != 0 || r.BToA != 0 {
+			t.Errorf("meter told %+v, want a reset with nothing moved", r)
+		}
+	default:
+		t.Fatal("Abandon told the meter nothing")
+	}
+	if !c.closed {
+		t.Error("Abandon left the connection open")
+	}
+}
