@@ -6,21 +6,22 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
-	"sync/atomic"
 	"syscall"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 
 	"github.com/meshtun/meshtun/mesh/registry"
 	"github.com/meshtun/meshtun/protocols/hbone"
+	"github.com/meshtun/meshtun/protocols/relay"
 	"github.com/meshtun/meshtun/stack"
 )
 
 var errNotReady = errors.New("netstack not ready")
 
-// inbound terminates an HBONE connection to a local workload's port 15008:
-// the handshake completes at once (TLS needs it) and the HBONE server takes
-// over; its Handler is connect.
+// inbound terminates an HBONE connection to a local workload's port 15008
+// that reached the netstack's forwarder (no listener holds that address):
+// the handshake completes at once (TLS needs it) and the HBONE server
+// takes over; its Handler is connect.
 func (p *Proxy) inbound(req *stack.TCPRequest, dst *registry.Workload) {
 	c, err := req.Accept()
 	if err != nil {
@@ -28,21 +29,31 @@ func (p *Proxy) inbound(req *stack.TCPRequest, dst *registry.Workload) {
 			Msg("HBONE connection: handshake failed")
 		return
 	}
-	p.hboneNetstack.Add(1)
-	p.server.Load().ServeConn(p.ctx, c)
+	p.serveHBONE(c, false)
 }
 
 // ServeNetstackHBONE serves an HBONE connection that the netstack accepted
 // on a local workload's port 15008 (a stack.Listener, which answers SYN
 // floods with SYN cookies); the HBONE server takes over, as for inbound.
-func (p *Proxy) ServeNetstackHBONE(c *stack.Conn) {
+func (p *Proxy) ServeNetstackHBONE(c *stack.Conn) { p.serveHBONE(c, false) }
+
+// serveHBONE hands an inbound HBONE connection to the HBONE server: the
+// one way in for the three places one arrives (the netstack's forwarder
+// and listeners, serving it on the caller's goroutine, and a kernel
+// socket, on a goroutine of its own once within the server's bounds). It
+// resets c if no server is set.
+func (p *Proxy) serveHBONE(c net.Conn, kernel bool) {
 	srv := p.server.Load()
-	if srv == nil {
-		c.Abort()
-		return
+	switch {
+	case srv == nil:
+		relay.Abort(c)
+	case kernel:
+		p.hboneKernel.Add(1)
+		srv.Go(p.ctx, c)
+	default:
+		p.hboneNetstack.Add(1)
+		srv.ServeConn(p.ctx, c)
 	}
-	p.hboneNetstack.Add(1)
-	srv.ServeConn(p.ctx, c)
 }
 
 // InboundHandler returns the hbone.Handler that delivers inbound streams
@@ -91,13 +102,13 @@ func (p *Proxy) connect(ctx context.Context, r *hbone.Request) (net.Conn, error)
 		return fail(hbone.ErrUnreachable, err)
 	}
 	rec.opened()
-	cc := &countedConn{Conn: up, onSent: rec.sent, onRecv: rec.received}
-	t := p.open.add(az, func() { cc.Abort() })
-	cc.done = func(sent, recv int64, reset bool) {
+	// The HBONE server relays up and reports what moved to its meter
+	// (relay.Metered), also when it never relays it (relay.Abandon).
+	t := p.open.add(az, func() { up.Abort() })
+	return &inboundConn{Conn: up, meter: relay.Meter{AToB: rec.sent, BToA: rec.received, Done: func(r relay.Result) {
 		p.open.remove(t)
-		rec.done(sent, recv, reset)
-	}
-	return cc, nil
+		rec.done(r.AToB, r.BToA, r.Reset)
+	}}}, nil
 }
 
 // UnknownService is the dst.service (log and metric label) of an inbound
@@ -165,57 +176,14 @@ func (p *Proxy) inboundPlain(snap *registry.Snapshot, req *stack.TCPRequest, src
 	p.deliver(req, rec, az, req.Dst)
 }
 
-// countedConn counts the bytes of an upstream connection the HBONE server
-// relays, and reports them when the server closes it. Writes go to the
-// workload (sent by the client), reads come from it.
-type countedConn struct {
+// inboundConn is the upstream connection of an inbound HBONE request: the
+// HBONE server's relay counts its bytes (relay.Metered) for the record:
+// bytes written to it were sent by the client, bytes read from it are
+// received.
+type inboundConn struct {
 	*stack.Conn
-	sent, recv atomic.Int64
-	reset      atomic.Bool
-	closed     atomic.Bool
-	done       func(sent, recv int64, reset bool)
-	// onSent and onRecv are told of bytes as they move (live metrics).
-	onSent, onRecv func(int)
+	meter relay.Meter
 }
 
-func (c *countedConn) Read(b []byte) (int, error) {
-	n, err := c.Conn.Read(b)
-	c.recv.Add(int64(n))
-	if n > 0 {
-		c.onRecv(n)
-	}
-	if err != nil && errors.Is(err, syscall.ECONNRESET) {
-		c.reset.Store(true)
-	}
-	return n, err
-}
-
-func (c *countedConn) Write(b []byte) (int, error) {
-	n, err := c.Conn.Write(b)
-	c.sent.Add(int64(n))
-	if n > 0 {
-		c.onSent(n)
-	}
-	return n, err
-}
-
-// Abort resets the workload's connection (the client reset its stream, or
-// a policy change or drain deadline closed it).
-func (c *countedConn) Abort() error {
-	c.reset.Store(true)
-	err := c.Conn.Abort()
-	c.finish()
-	return err
-}
-
-func (c *countedConn) Close() error {
-	err := c.Conn.Close()
-	c.finish()
-	return err
-}
-
-func (c *countedConn) finish() {
-	if c.closed.CompareAndSwap(false, true) {
-		c.done(c.sent.Load(), c.recv.Load(), c.reset.Load())
-	}
-}
+// RelayMeter implements relay.Metered.
+func (c *inboundConn) RelayMeter() relay.Meter { return c.meter }

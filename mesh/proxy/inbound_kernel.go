@@ -7,6 +7,7 @@ import (
 	"net/netip"
 
 	"github.com/meshtun/meshtun/protocols/hbone"
+	"github.com/meshtun/meshtun/protocols/relay"
 )
 
 // ServeHBONE accepts the HBONE connections that the kernel delivers to a
@@ -33,10 +34,7 @@ func (p *Proxy) serveKernelConn(c net.Conn) {
 	dst := snap.Workload(local.Addr())
 	srv := p.server.Load()
 	if !p.local(dst) || local.Port() != hbone.Port || srv == nil {
-		if tc, ok := c.(*net.TCPConn); ok {
-			tc.SetLinger(0) // a reset: nothing listens here for this client
-		}
-		c.Close()
+		relay.Abort(c) // a reset: nothing listens here for this client
 		if srv != nil {
 			srv.CountRefused(hbone.RefusedNotLocal)
 		}
@@ -44,8 +42,7 @@ func (p *Proxy) serveKernelConn(c net.Conn) {
 			refusedEarly(fmt.Errorf("%w: HBONE connection to %s, which is not a mesh workload on this node", hbone.ErrBadRequest, local))
 		return
 	}
-	p.hboneKernel.Add(1)
-	srv.Go(p.ctx, c)
+	p.serveHBONE(c, true)
 }
 
 // HBONEAccepted returns how many inbound HBONE connections were accepted

@@ -34,6 +34,7 @@ import (
 	"github.com/meshtun/meshtun/mesh/metrics"
 	"github.com/meshtun/meshtun/mesh/registry"
 	"github.com/meshtun/meshtun/protocols/hbone"
+	"github.com/meshtun/meshtun/protocols/relay"
 	"github.com/meshtun/meshtun/stack"
 	"github.com/meshtun/meshtun/stack/classify"
 )
@@ -276,10 +277,10 @@ func (p *Proxy) relayAccepted(rec *record, req *stack.TCPRequest, up net.Conn, a
 	if rec.direction == "outbound" && p.local(rec.srcW) {
 		from = rec.src.Addr()
 	}
-	t := p.open.addFrom(authz, from, func() { reset(up) })
+	t := p.open.addFrom(authz, from, func() { relay.Abort(up) })
 	down, err := req.Accept()
 	if err != nil {
-		reset(up)
+		relay.Abort(up)
 		rec.release()
 		if errors.Is(err, syscall.ECONNRESET) {
 			// The client completed its handshake and reset the
@@ -294,11 +295,11 @@ func (p *Proxy) relayAccepted(rec *record, req *stack.TCPRequest, up net.Conn, a
 		return
 	}
 	rec.opened()
-	startRelay(down, up, rec.sent, rec.received, func(res relayResult) {
+	relay.Start(down, up, relay.Meter{AToB: rec.sent, BToA: rec.received, Done: func(res relay.Result) {
 		rec.release() // both sides are closed
 		rec.done(res.AToB, res.BToA, res.Reset)
 		p.open.remove(t)
-	})
+	}})
 }
 
 func connectError(err error) string {

@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"runtime"
 	"syscall"
 	"testing"
 	"time"
@@ -204,5 +205,46 @@ func BenchmarkLoopbackWrite(b *testing.B) {
 			b.StopTimer()
 			report()
 		})
+	}
+}
+
+// BenchmarkStreamIdle: streams to a TCP echo upstream that made one round
+// trip each and then idle past the relay's grace period; reports what one
+// idle stream holds in the whole process (client, server relay and the
+// echo upstream's own goroutine): goroutines and heap bytes.
+func BenchmarkStreamIdle(b *testing.B) {
+	const n = 200
+	f := newFixture(b, dialHandler)
+	target := echoUpstream(b)
+	msg := make([]byte, 128)
+	buf := make([]byte, 128)
+	for range b.N {
+		runtime.GC()
+		var before runtime.MemStats
+		runtime.ReadMemStats(&before)
+		base := runtime.NumGoroutine()
+		conns := make([]*Conn, n)
+		for i := range conns {
+			c, err := f.dial(ctxTimeout(b, 10*time.Second), target)
+			if err != nil {
+				b.Fatal(err)
+			}
+			conns[i] = c
+			if _, err := c.Write(msg); err != nil {
+				b.Fatal(err)
+			}
+			if _, err := io.ReadFull(c, buf); err != nil {
+				b.Fatal(err)
+			}
+		}
+		time.Sleep(100 * time.Millisecond) // past the relay's grace period (no signal: goroutines end on their own clock)
+		runtime.GC()
+		var after runtime.MemStats
+		runtime.ReadMemStats(&after)
+		b.ReportMetric(float64(runtime.NumGoroutine()-base)/n, "goroutines/idle")
+		b.ReportMetric(float64(int64(after.HeapAlloc)-int64(before.HeapAlloc))/n, "heapB/idle")
+		for _, c := range conns {
+			c.Close()
+		}
 	}
 }

@@ -56,9 +56,13 @@ type Handler interface {
 	// an error wrapping ErrDenied (401), ErrUnreachable (503) or
 	// ErrBadRequest (400); any other error answers 503. The response body
 	// carries the error text. On success the Server owns the returned
-	// connection: it calls CloseWrite on it (if it has that method) when
-	// the client ends its half, aborts it (Aborter, or SO_LINGER 0 for a
-	// *net.TCPConn) when the client resets the stream, and closes it.
+	// connection and relays it with a relay.Pump: it calls CloseWrite on
+	// it (if it has that method; Close if that fails) when the client
+	// ends its half, aborts it (Aborter, or SO_LINGER 0 for a
+	// *net.TCPConn) when the client resets the stream, and closes it. If
+	// it is a relay.Metered, its meter is told what moved (the client's
+	// bytes as AToB), also when the stream is reset before the relay
+	// starts (relay.Abandon).
 	Connect(ctx context.Context, req *Request) (net.Conn, error)
 }
 
@@ -72,9 +76,7 @@ func (f HandlerFunc) Connect(ctx context.Context, req *Request) (net.Conn, error
 // that their peer sees a reset instead of an orderly end. *Conn implements
 // it; a proxy can implement it for its own upstream connections (a gVisor
 // endpoint's Abort, for instance).
-type Aborter interface {
-	Abort() error
-}
+type Aborter = relay.Aborter
 
 // ServerConfig configures NewServer.
 type ServerConfig struct {
@@ -784,195 +786,63 @@ func (sc *serverConn) serve(ctx context.Context, s *stream, req *Request) {
 		h.mu.Unlock()
 		h.kick()
 		sc.log.Debug().Uint32("stream", s.id).Msg("hbone: stream reset by client while connecting")
-		abort(up)
+		relay.Abandon(up)
 		return
 	}
-	r := sc.newRelay(s, up, req.Target)
-	s.abortUp = r.abortUp
+	p := sc.newPump(s, up, req.Target)
+	s.abortUp = p.Reset
 	h.writeHeadersLocked(s.id, []hpack.HeaderField{{Name: ":status", Value: "200"}}, false, h.peerMaxFrame)
 	h.mu.Unlock()
 	h.kick()
-	r.start()
+	p.Start()
 }
 
-// Upstream read buffers: small while a connection idles or carries small
-// messages, large once reads fill the small one.
-const (
-	smallReadBuf = 4 << 10
-	largeReadBuf = 64 << 10
-)
-
-var (
-	smallBufs = sync.Pool{New: func() any { return new([smallReadBuf]byte) }}
-	largeBufs = sync.Pool{New: func() any { return new([largeReadBuf]byte) }}
-)
-
-// readNotifier is an upstream connection that can call back once a read
-// would not block (*stack.Conn and connections that embed one), so that
-// an idle relay direction needs no goroutine. f is called from the
-// goroutine that made the connection readable and must not block.
-type readNotifier interface {
-	WhenReadable(f func()) bool
-}
-
-// serverRelay copies between a stream and its upstream until both
-// directions ended or one side failed; see the package documentation for
-// the mapping of half-close and reset. A direction holds a goroutine only
-// while the stream is busy: when its source runs dry it arms a readiness
-// callback (stream.whenReadable, readNotifier) and waits for it on its
-// goroutine for relay.Grace, then lets the goroutine go (relay.Idle); an
-// idle stream holds neither a goroutine nor a buffer.
-type serverRelay struct {
-	sc      *serverConn
-	s       *stream
-	up      net.Conn
-	target  netip.AddrPort
-	aborted atomic.Bool
-	left    atomic.Int32
-	large   atomic.Bool // the last upstream read filled a small buffer
-	// toIdle and fromIdle park the two directions; toNotify and
-	// fromNotify are their Notify methods as values made once.
-	toIdle, fromIdle     relay.Idle
-	toNotify, fromNotify func()
-}
-
-// newRelay returns the relay of s and up; start starts it.
-func (sc *serverConn) newRelay(s *stream, up net.Conn, target netip.AddrPort) *serverRelay {
-	r := &serverRelay{sc: sc, s: s, up: up, target: target}
-	r.left.Store(2)
-	r.toIdle.Init(r.toUpstream)
-	r.fromIdle.Init(r.fromUpstream)
-	r.toNotify, r.fromNotify = r.toIdle.Notify, r.fromIdle.Notify
-	return r
-}
-
-// start starts the relay's two directions and returns.
-func (r *serverRelay) start() {
-	go r.toUpstream()
-	go r.fromUpstream()
-}
-
-func (r *serverRelay) debug() *zerolog.Event {
-	return r.sc.log.Debug().Uint32("stream", r.s.id).Stringer("authority", r.target)
-}
-
-func (r *serverRelay) abortUp() {
-	if r.aborted.CompareAndSwap(false, true) {
-		abort(r.up)
+// newPump returns the relay between s (its a side) and up: see the
+// package documentation for the mapping of half-close and reset. Its
+// bytes are reported to up's meter if up is a relay.Metered.
+func (sc *serverConn) newPump(s *stream, up net.Conn, target netip.AddrPort) *relay.Pump {
+	var m relay.Meter
+	if mc, ok := up.(relay.Metered); ok {
+		m = mc.RelayMeter()
 	}
-}
-
-// done ends one direction; the second closes up, unless it was aborted.
-func (r *serverRelay) done() {
-	if r.left.Add(-1) == 0 && !r.aborted.Load() {
-		r.up.Close()
-	}
-}
-
-// toUpstream copies what the client sends to the upstream.
-func (r *serverRelay) toUpstream() {
-	for {
-		_, ended, rerr, werr := r.s.drainTo(r.up)
-		if !ended {
-			if r.s.whenReadable(r.toNotify) || r.toIdle.Wait(relay.Grace) {
-				continue
-			}
-			return // toUpstream starts again once there is more
+	done := m.Done
+	m.Done = func(r relay.Result) {
+		if r.Err != nil {
+			sc.log.Debug().Uint32("stream", s.id).Stringer("authority", target).Err(r.Err).Msg("hbone: stream relay reset")
 		}
-		switch {
-		case werr != nil:
-			// The upstream refuses data (reset or closed): abort it
-			// and reset the stream.
-			r.debug().Err(werr).Msg("hbone: write to upstream failed, resetting stream")
-			r.abortUp()
-			r.s.reset(http2.ErrCodeInternal, fmt.Errorf("%w: upstream write failed", ErrReset))
-		case rerr == nil:
-			// END_STREAM from the client.
-			if err := closeWrite(r.up); err != nil {
-				r.debug().Err(err).Msg("hbone: half-close of upstream failed")
-			}
-		default:
-			// RST_STREAM from the client, or the connection died.
-			r.debug().Err(rerr).Msg("hbone: stream reset by client")
-			r.abortUp()
-		}
-		r.done()
-		return
-	}
-}
-
-// fromUpstream copies what the upstream sends to the client. A buffer is
-// taken for each read and given back after it.
-func (r *serverRelay) fromUpstream() {
-	rn, _ := r.up.(readNotifier)
-	for {
-		if rn != nil && !rn.WhenReadable(r.fromNotify) && !r.fromIdle.Wait(relay.Grace) {
-			return // fromUpstream starts again once the upstream is readable
-		}
-		err := r.readUpstream()
-		if err == errStreamWrite {
-			// The client reset the stream or the connection died.
-			r.abortUp()
-			r.done()
-			return
-		}
-		if err == io.EOF {
-			// The upstream's FIN: END_STREAM now; the client's half
-			// stays open until it ends it.
-			r.s.closeWrite()
-			r.done()
-			return
-		}
-		if err != nil {
-			if !r.aborted.Load() {
-				r.debug().Err(err).Msg("hbone: upstream read failed, resetting stream")
-				r.abortUp()
-				r.s.reset(http2.ErrCodeInternal, fmt.Errorf("%w: upstream failed", ErrReset))
-			}
-			r.done()
-			return
+		if done != nil {
+			done(r)
 		}
 	}
+	return relay.New(&serverStream{s: s}, up, m)
 }
 
-// errStreamWrite marks a failed write to the stream in readUpstream.
-var errStreamWrite = errors.New("hbone: stream write failed")
+// serverStream is a server stream as the relay sees it: a
+// relay.BufferedSource whose reset is RST_STREAM(INTERNAL_ERROR) and whose
+// Close does nothing (the stream ends when both halves ended or it was
+// reset, which the relay does before it closes).
+type serverStream struct{ s *stream }
 
-// readUpstream reads once from the upstream into a pooled buffer, small or
-// large by how full the last read was, and writes what it read to the
-// stream.
-func (r *serverRelay) readUpstream() error {
-	var buf []byte
-	var sb *[smallReadBuf]byte
-	var lb *[largeReadBuf]byte
-	if r.large.Load() {
-		lb = largeBufs.Get().(*[largeReadBuf]byte)
-		buf = lb[:]
-	} else {
-		sb = smallBufs.Get().(*[smallReadBuf]byte)
-		buf = sb[:]
+func (c *serverStream) Read(p []byte) (int, error)  { return c.s.read(p) }
+func (c *serverStream) Write(p []byte) (int, error) { return c.s.write(p) }
+func (c *serverStream) CloseWrite() error           { return c.s.closeWrite() }
+func (c *serverStream) Close() error                { return nil }
+func (c *serverStream) WhenReadable(f func()) bool  { return c.s.whenReadable(f) }
+
+func (c *serverStream) Abort() error {
+	c.s.reset(http2.ErrCodeInternal, fmt.Errorf("%w: relay to the upstream failed", ErrReset))
+	return nil
+}
+
+func (c *serverStream) WriteBufferedTo(w io.Writer) (int64, bool, error) {
+	n, done, rerr, werr := c.s.drainTo(w)
+	switch {
+	case werr != nil:
+		return n, false, werr
+	case rerr != nil:
+		return n, false, rerr
 	}
-	defer func() {
-		if sb != nil {
-			smallBufs.Put(sb)
-		} else {
-			largeBufs.Put(lb)
-		}
-	}()
-	n, err := r.up.Read(buf)
-	if n > 0 {
-		if _, werr := r.s.write(buf[:n]); werr != nil {
-			r.debug().Err(werr).Msg("hbone: stream write failed, aborting upstream")
-			return errStreamWrite
-		}
-		switch {
-		case sb != nil && n == len(buf):
-			r.large.Store(true)
-		case lb != nil && n < smallReadBuf:
-			r.large.Store(false)
-		}
-	}
-	return err
+	return n, done, nil
 }
 
 func (sc *serverConn) onStreamDone(s *stream) {
@@ -999,21 +869,5 @@ func (sc *serverConn) onStreamDone(s *stream) {
 
 func (sc *serverConn) onGoAway() {}
 
-func closeWrite(c net.Conn) error {
-	if cw, ok := c.(interface{ CloseWrite() error }); ok {
-		return cw.CloseWrite()
-	}
-	return nil
-}
-
 // abort closes c so that its peer sees a reset.
-func abort(c net.Conn) {
-	switch c := c.(type) {
-	case Aborter:
-		c.Abort()
-		return
-	case interface{ SetLinger(int) error }:
-		c.SetLinger(0)
-	}
-	c.Close()
-}
+func abort(c net.Conn) { relay.Abort(c) }

@@ -1,6 +1,8 @@
-// Package relay holds what meshtun's byte relays share: how a relay
-// direction waits for its source without holding a goroutine for a
-// connection that stays idle.
+// Package relay is meshtun's one byte pump (Pump), used by the proxy for
+// every connection it carries and by the HBONE server for every stream:
+// half-close and reset mapped one way, pooled read buffers, one byte
+// count (Meter), and directions that wait for an idle source without
+// holding a goroutine (Idle).
 package relay
 
 import (

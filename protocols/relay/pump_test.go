@@ -1,4 +1,4 @@
-package proxy
+package relay
 
 import (
 	"bytes"
@@ -34,15 +34,15 @@ func tcpPair(t *testing.T) (client, server *net.TCPConn) {
 
 // startKernelRelay relays between two kernel connections and returns the far
 // ends: the client's (whose peer is the relay's a) and the server's.
-func startKernelRelay(t *testing.T) (client, server *net.TCPConn, result <-chan relayResult) {
+func startKernelRelay(t *testing.T) (client, server *net.TCPConn, result <-chan Result) {
 	client, a := tcpPair(t)
 	b, server := tcpPair(t)
-	res := make(chan relayResult, 1)
+	res := make(chan Result, 1)
 	go func() { res <- relayAndWait(a, b, nil, nil) }()
 	return client, server, res
 }
 
-func waitResult(t *testing.T, res <-chan relayResult) relayResult {
+func waitResult(t *testing.T, res <-chan Result) Result {
 	t.Helper()
 	select {
 	case r := <-res:
@@ -50,7 +50,7 @@ func waitResult(t *testing.T, res <-chan relayResult) relayResult {
 	case <-time.After(10 * time.Second):
 		t.Fatal("relay did not end")
 	}
-	return relayResult{}
+	return Result{}
 }
 
 // TestRelayHalfClose: data crosses both ways (more than one copy buffer's
@@ -58,7 +58,7 @@ func waitResult(t *testing.T, res <-chan relayResult) relayResult {
 // still flows, and the relay ends after both directions ended.
 func TestRelayHalfClose(t *testing.T) {
 	client, server, res := startKernelRelay(t)
-	req := bytes.Repeat([]byte("request."), 3*relayBufSize/8)
+	req := bytes.Repeat([]byte("request."), 3*largeBuf/8)
 	go func() {
 		client.Write(req)
 		client.CloseWrite()
@@ -103,13 +103,13 @@ func TestRelayReset(t *testing.T) {
 func TestRelayCloseWhileIdle(t *testing.T) {
 	client, a := tcpPair(t)
 	b, _ := tcpPair(t)
-	res := make(chan relayResult, 1)
+	res := make(chan Result, 1)
 	go func() { res <- relayAndWait(a, b, nil, nil) }()
 	// The relay is idle once the client's data has crossed.
 	if _, err := client.Write([]byte("x")); err != nil {
 		t.Fatal(err)
 	}
-	reset(b)
+	Abort(b)
 	if r := waitResult(t, res); !r.Reset {
 		t.Fatalf("relay result %+v, want a reset", r)
 	}
@@ -117,14 +117,14 @@ func TestRelayCloseWhileIdle(t *testing.T) {
 
 // relayAndWait relays between a and b and returns what moved once both
 // directions are done.
-func relayAndWait(a, b net.Conn, onAB, onBA func(int)) relayResult {
-	ch := make(chan relayResult, 1)
-	startRelay(a, b, onAB, onBA, func(r relayResult) { ch <- r })
+func relayAndWait(a, b net.Conn, onAB, onBA func(int)) Result {
+	ch := make(chan Result, 1)
+	Start(a, b, Meter{AToB: onAB, BToA: onBA, Done: func(r Result) { ch <- r }})
 	return <-ch
 }
 
 // memConn is an in-memory connection with a readiness callback, a
-// readNotifier like *stack.Conn: Read returns what feed gave it, Write
+// ReadNotifier like *stack.Conn: Read returns what feed gave it, Write
 // hands the bytes to out.
 type memConn struct {
 	net.Conn // not used by the relay; nil
@@ -195,14 +195,14 @@ func (c *memConn) Close() error {
 }
 
 // TestRelayIdleHoldsNoGoroutine: between messages, once the grace period
-// has passed, a relay between two readNotifier connections holds no
+// has passed, a relay between two ReadNotifier connections holds no
 // goroutine; the next message starts one and arrives; both ends' EOFs end
 // the relay with every byte counted.
 func TestRelayIdleHoldsNoGoroutine(t *testing.T) {
 	base := runtime.NumGoroutine()
 	a, b := newMemConn(), newMemConn()
-	res := make(chan relayResult, 1)
-	startRelay(a, b, nil, nil, func(r relayResult) { res <- r })
+	res := make(chan Result, 1)
+	Start(a, b, Meter{Done: func(r Result) { res <- r }})
 	recv := func(c *memConn, want string) {
 		t.Helper()
 		select {
@@ -238,5 +238,31 @@ func TestRelayIdleHoldsNoGoroutine(t *testing.T) {
 		}
 	case <-time.After(10 * time.Second):
 		t.Fatal("relay did not end after both EOFs")
+	}
+}
+
+// meteredMem is a memConn that brings a meter.
+type meteredMem struct {
+	*memConn
+	done chan Result
+}
+
+func (c *meteredMem) RelayMeter() Meter { return Meter{Done: func(r Result) { c.done <- r }} }
+
+// TestAbandonTellsMeter: a connection that will not be relayed is closed
+// and its meter told of a reset with nothing moved.
+func TestAbandonTellsMeter(t *testing.T) {
+	c := &meteredMem{memConn: newMemConn(), done: make(chan Result, 1)}
+	Abandon(c)
+	select {
+	case r := <-c.done:
+		if !r.Reset || r.AToB != 0 || r.BToA != 0 {
+			t.Errorf("meter told %+v, want a reset with nothing moved", r)
+		}
+	default:
+		t.Fatal("Abandon told the meter nothing")
+	}
+	if !c.closed {
+		t.Error("Abandon left the connection open")
 	}
 }
