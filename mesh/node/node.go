@@ -523,49 +523,14 @@ func (n *node) dataPlaneStats() metrics.DataPlaneStats {
 	return d
 }
 
-// interceptPolicy is the classifier's policy: capturePolicy, or nil (and a
-// loud warning) with NoIntercept.
+// interceptPolicy is the classifier's policy: proxy.CapturePolicy, or nil
+// (and a loud warning) with NoIntercept.
 func interceptPolicy(reg *registry.Registry, cfg Config, fromNode func(netip.Addr) bool, log zerolog.Logger) classify.Policy {
 	if cfg.NoIntercept {
 		log.Warn().Str("node", cfg.Name).Msg(NoInterceptWarning)
 		return nil
 	}
-	return capturePolicy(reg, cfg.Name, fromNode)
-}
-
-// capturePolicy selects the SYNs the netstack takes: connections opened by
-// a local mesh workload (outbound), HBONE to a local mesh workload
-// (inbound), plaintext from a mesh workload to a local one (its own node
-// should have tunnelled it), and plaintext to a local mesh workload that
-// STRICT mode or an authorization policy protects (to be authorized, or
-// refused), also from the node itself (fromNode: a source address of the
-// node's own), except to the workload's probe ports. Everything else stays
-// verbatim: plaintext to an unprotected PERMISSIVE workload reaches it
-// directly, and so do the node's probes.
-//
-// The classifier also asks it, for a segment of no known flow, about both
-// orientations of the connection, and keeps the segment from going out
-// verbatim when both say yes. So it says yes both ways between two mesh
-// workloads, whose traffic must never be verbatim, and no for the node's
-// probes, whose replies must stay verbatim.
-func capturePolicy(reg *registry.Registry, node string, fromNode func(netip.Addr) bool) classify.Policy {
-	return classify.PolicyFunc(func(src, dst netip.AddrPort) bool {
-		s := reg.Load()
-		sw := s.Workload(src.Addr())
-		if sw != nil && sw.InMesh && sw.Node == node {
-			return true
-		}
-		if w := s.Workload(dst.Addr()); w != nil && w.InMesh && w.Node == node {
-			if dst.Port() == hbone.Port || sw != nil && sw.InMesh {
-				return true
-			}
-			if w.ProbePort(dst.Port()) && fromNode(src.Addr()) {
-				return false
-			}
-			return w.Protected(dst.Port())
-		}
-		return false
-	})
+	return proxy.CapturePolicy(reg, cfg.Name, fromNode)
 }
 
 // hboneListeners keeps a netstack listener on port 15008 of every local
