@@ -440,7 +440,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 }
 
 // node is a running node proxy's state, shared by its HTTP endpoints and
-// the config watcher.
+// the update loop.
 type node struct {
 	cfg     Config
 	log     zerolog.Logger
@@ -643,7 +643,8 @@ func (n *node) install(ctx context.Context, snap *registry.Snapshot) (closed, re
 
 // reportCaptured tells Config.Captured which of locals are captured:
 // rulesOK (the capture and local-delivery rules were installed), the
-// workload's certificate held and its link known or found. Called with captureMu held, or before the node follows updates.
+// workload's certificate held and its link known or found. Called with
+// captureMu held.
 func (n *node) reportCaptured(locals []*registry.Workload, rulesOK bool) {
 	if n.cfg.Captured == nil && n.cfg.CapturedWorkloads == nil {
 		return
