@@ -124,7 +124,7 @@ func runNode(ctx context.Context, args []string) error {
 	}
 	var (
 		src      registry.Source
-		captured func([]registry.WorkloadRef)
+		captured func([]*registry.Workload)
 		cniGate  *gate.Gate
 	)
 	switch {
@@ -181,7 +181,7 @@ func runNode(ctx context.Context, args []string) error {
 		Logger:                      log,
 	}
 	if cniGate != nil {
-		ncfg.CapturedWorkloads, ncfg.LinkHint = cniGate.Captured, cniGate.LinkHint
+		ncfg.Captured, ncfg.LinkHint = cniGate.Captured, cniGate.LinkHint
 		ncfg.WhileReady = func(ctx context.Context) {
 			if err := cniGate.Serve(ctx); err != nil {
 				log.Error().Err(err).Msg("CNI startup gate: pods of the mesh cannot start on this node")

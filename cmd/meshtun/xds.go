@@ -60,7 +60,7 @@ func (f *xdsFlags) register(fs *flag.FlagSet) {
 // node starts it) and, with --redirect-pods, what the node tells of the
 // pods it has captured (node.Config.Captured; nil without), whose
 // redirector runs until ctx ends.
-func newXDS(ctx context.Context, f xdsFlags, kubeconfig, nodeName string, c *config.Config, log zerolog.Logger) (*xds.Source, func([]registry.WorkloadRef), error) {
+func newXDS(ctx context.Context, f xdsFlags, kubeconfig, nodeName string, c *config.Config, log zerolog.Logger) (*xds.Source, func([]*registry.Workload), error) {
 	for _, r := range []struct{ v, flag string }{
 		{f.podName, "--pod-name (or POD_NAME)"}, {f.podNamespace, "--pod-namespace (or POD_NAMESPACE)"},
 		{f.serviceAccount, "--service-account (or SERVICE_ACCOUNT)"}, {f.instanceIP, "--instance-ip (or INSTANCE_IP)"},
@@ -88,7 +88,7 @@ func newXDS(ctx context.Context, f xdsFlags, kubeconfig, nodeName string, c *con
 		TrustDomain: c.TrustDomainID(), RootNamespace: c.RootNamespace, DomainSuffix: c.ClusterDomain,
 		PeerAuth: c.DefaultPeerAuth(), Policies: c.Policies(), Logger: log,
 	})
-	var captured func([]registry.WorkloadRef)
+	var captured func([]*registry.Workload)
 	if f.redirectPods {
 		cs, err := kubeClient(kubeconfig, nodeName)
 		if err != nil {
@@ -100,7 +100,13 @@ func newXDS(ctx context.Context, f xdsFlags, kubeconfig, nodeName string, c *con
 		// has captured them (the source marks them in the mesh here
 		// meanwhile).
 		r := kube.NewRedirector(cs, nodeName, src.Enroll, src.ProbePorts, log)
-		captured = r.Captured
+		captured = func(ws []*registry.Workload) {
+			refs := make([]registry.WorkloadRef, len(ws))
+			for i, w := range ws {
+				refs[i] = registry.WorkloadRef{Namespace: w.Namespace, Name: w.Name}
+			}
+			r.Captured(refs)
+		}
 		go r.Run(ctx)
 	}
 	return src, captured, nil

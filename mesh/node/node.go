@@ -57,17 +57,14 @@ type Config struct {
 	CA identity.CAConfig
 	// Captured, if set, is told after every change of capture which
 	// local mesh workloads are captured: certificate held, host link
-	// found, capture and inbound HBONE rules in place. With istiod as the
-	// source, a pod is annotated for redirection only once it is
-	// (kube.Redirector.Captured).
-	Captured func([]registry.WorkloadRef)
-	// CapturedWorkloads, if set, is told the same as Captured, with the
-	// workloads (and so their addresses): the CNI startup gate answers a
-	// pod's ADD once its announced addresses are captured.
-	CapturedWorkloads func([]*registry.Workload)
+	// known or found, capture and inbound HBONE rules in place. With
+	// istiod as the source, a pod is annotated for redirection only once
+	// it is (kube.Redirector.Captured); the CNI startup gate answers a
+	// pod's ADD once its announced addresses are (gate.Gate.Captured).
+	Captured func([]*registry.Workload)
 	// LinkHint, if set, names the host link of a local workload's address
-	// when no route to it is found (the model not knowing its link) (the CNI startup gate's
-	// announced link).
+	// when the model does not know its link and no route to it is found
+	// (the CNI startup gate's announced link).
 	LinkHint func(netip.Addr) (string, bool)
 	// WhileReady, if set, runs from the moment the node is ready (capture
 	// installed) until it starts to drain, when its context ends: the CNI
@@ -646,10 +643,9 @@ func (n *node) install(ctx context.Context, snap *registry.Snapshot) (closed, re
 // workload's certificate held and its link known or found. Called with
 // captureMu held.
 func (n *node) reportCaptured(locals []*registry.Workload, rulesOK bool) {
-	if n.cfg.Captured == nil && n.cfg.CapturedWorkloads == nil {
+	if n.cfg.Captured == nil {
 		return
 	}
-	var refs []registry.WorkloadRef
 	var ws []*registry.Workload
 	for _, w := range locals {
 		if !rulesOK || n.noRoute[w.String()] {
@@ -658,15 +654,9 @@ func (n *node) reportCaptured(locals []*registry.Workload, rulesOK bool) {
 		if _, held := n.svids.Expiry(w.Identity); !held {
 			continue
 		}
-		refs = append(refs, registry.WorkloadRef{Namespace: w.Namespace, Name: w.Name})
 		ws = append(ws, w)
 	}
-	if n.cfg.Captured != nil {
-		n.cfg.Captured(refs)
-	}
-	if n.cfg.CapturedWorkloads != nil {
-		n.cfg.CapturedWorkloads(ws)
-	}
+	n.cfg.Captured(ws)
 }
 
 // captureLinks returns the links to capture, each with the addresses of
