@@ -136,6 +136,9 @@ func TestReadinessWhileSourceSyncs(t *testing.T) {
 	if code, body := get("http://" + admin + "/config_dump"); code != http.StatusOK || !strings.Contains(body, `"syncing"`) {
 		t.Errorf("/config_dump while the source syncs: %d %q, want the source's status", code, body)
 	}
+	if code, body := get("http://" + admin + "/config_dump?format=ztunnel"); code != http.StatusOK {
+		t.Errorf("/config_dump?format=ztunnel while the source syncs: %d %q", code, body)
+	}
 	cancel()
 	select {
 	case err := <-done:
