@@ -2,7 +2,6 @@ package main
 
 import (
 	"bytes"
-	"context"
 	"flag"
 	"fmt"
 	"io"
@@ -19,25 +18,23 @@ import (
 	"github.com/meshtun/meshtun/mesh/config"
 	"github.com/meshtun/meshtun/mesh/kube"
 	"github.com/meshtun/meshtun/mesh/kube/kubeapi"
-	"github.com/meshtun/meshtun/mesh/registry"
 )
 
-// startKube connects to the API server (in-cluster, or kubeconfig if
-// set), waits for the informers and returns the first mesh model and the
-// source that follows the API server from then on.
-func startKube(ctx context.Context, kubeconfig, nodeName string, c *config.Config, announced func(ns, name, uid string) []netip.Addr, log zerolog.Logger) (*registry.Snapshot, *kube.Source, error) {
+// newKube returns the source of the mesh model that follows the API server
+// (in-cluster, or kubeconfig if set); the node starts it.
+func newKube(kubeconfig, nodeName string, c *config.Config, announced func(ns, name, uid string) []netip.Addr, log zerolog.Logger) (*kube.Source, error) {
 	klogToZerolog(log)
 	rc, err := restConfig(kubeconfig, nodeName)
 	if err != nil {
-		return nil, nil, err
+		return nil, err
 	}
 	cs, err := kubeapi.New(rc)
 	if err != nil {
-		return nil, nil, err
+		return nil, err
 	}
 	dyn, err := dynamic.NewForConfig(rc)
 	if err != nil {
-		return nil, nil, fmt.Errorf("kubernetes: %w", err)
+		return nil, fmt.Errorf("kubernetes: %w", err)
 	}
 	if len(c.Workloads) > 0 || len(c.Services) > 0 {
 		log.Warn().Str("config", c.Path).Msg("with --kubernetes the workloads and services of the config file are ignored: the API server's pods and services are the mesh")
@@ -48,11 +45,7 @@ func startKube(ctx context.Context, kubeconfig, nodeName string, c *config.Confi
 		PeerAuth: c.DefaultPeerAuth(), Policies: c.Policies(), Announced: announced, Logger: log,
 	})
 	log.Info().Str("server", rc.Host).Str("node", nodeName).Msg("kubernetes: connecting")
-	snap, err := src.Start(ctx)
-	if err != nil {
-		return nil, nil, err
-	}
-	return snap, src, nil
+	return src, nil
 }
 
 // restConfig is the API server client configuration: from kubeconfig if

@@ -123,71 +123,47 @@ func runNode(ctx context.Context, args []string) error {
 		return err
 	}
 	var (
-		mesh     *registry.Snapshot
-		links    []tun.CaptureLink
-		updates  <-chan *registry.Snapshot
-		status   func() any
-		captured func([]registry.WorkloadRef)
+		src      registry.Source
+		captured func([]*registry.Workload)
 		cniGate  *gate.Gate
-		cniPods  *gatePods
 	)
-	if useKube {
-		// The file's capture links (rarely any) carry no pod sources here;
-		// the pods' own links are found from their routes.
-		for _, l := range nc.CaptureLinks {
-			links = append(links, tun.CaptureLink{Name: l})
-		}
+	switch {
+	case useKube:
+		var cniPods *gatePods
 		if cf.enabled {
 			cniGate, cniPods = cf.newGate(name, log)
 		}
-		snap, src, err := startKube(ctx, kubeconfig, name, c, announcedFunc(cniGate), log)
+		ks, err := newKube(kubeconfig, name, c, announcedFunc(cniGate), log)
 		if err != nil {
-			if errors.Is(err, context.Canceled) {
-				return nil
-			}
 			return err
 		}
-		mesh, updates = snap, src.Updates()
-		status = func() any { return src.Status() }
+		src = ks
 		if cniGate != nil {
-			cniPods.Pods = src
-			if err := cf.startGate(ctx, cniGate, log); err != nil {
-				return err
-			}
+			// The plugin goes into the node's CNI chain once the
+			// source has synced, as the gate answers from its pods.
+			cniPods.Pods = ks
+			src = thenStart{ks, func(ctx context.Context) error { return cf.startGate(ctx, cniGate, log) }}
 		}
-	} else if useXDS {
-		// As with --kubernetes: the pods' links are found from their routes.
-		for _, l := range nc.CaptureLinks {
-			links = append(links, tun.CaptureLink{Name: l})
-		}
-		snap, src, rep, err := startXDS(ctx, xf, kubeconfig, name, c, log)
+	case useXDS:
+		xs, rep, err := newXDS(ctx, xf, kubeconfig, name, c, log)
 		if err != nil {
-			if errors.Is(err, context.Canceled) {
-				return nil
-			}
 			return err
 		}
-		mesh, updates, captured = snap, src.Updates(), rep
-		status = func() any { return src.Status() }
-	} else {
+		src, captured = xs, rep
+	default:
 		if kubeconfig != "" {
 			return errors.New("--kubeconfig needs --kubernetes (or --xds-address with --redirect-pods)")
 		}
-		if mesh, err = c.Snapshot(); err != nil {
-			return err
-		}
-		if links, err = node.CaptureLinks(c, name); err != nil {
-			return err
-		}
+		src = config.NewFileSource(c, name, log)
 	}
+	td := c.TrustDomainID()
 	ncfg := node.Config{
 		Name:            nc.Name,
 		TUN:             tun.Config{Name: nc.TUN.Name, MTU: nc.TUN.MTU, TxQueueLen: nc.TUN.TxQueueLen},
-		CaptureLinks:    links,
-		Mesh:            mesh,
+		Source:          src,
+		CaptureLinks:    nc.CaptureLinks,
+		Captured:        captured,
 		CA:              identity.CAConfig{Dir: c.CA.Dir, SVIDTTL: c.CA.SVIDTTL},
-		ConfigPath:      c.Path,
-		ConfigSum:       c.Sum(),
 		NoIntercept:     noIntercept,
 		HBONEOnNetstack: hboneNetstack,
 		AckDelay:        ackDelay,
@@ -204,14 +180,8 @@ func runNode(ctx context.Context, args []string) error {
 		DrainPeriod:                 drain,
 		Logger:                      log,
 	}
-	if useKube || useXDS {
-		// Node settings apply at start; the model follows the API server
-		// (or istiod).
-		ncfg.ConfigPath = ""
-		ncfg.Updates, ncfg.CaptureByRoute, ncfg.Status, ncfg.Captured = updates, true, status, captured
-	}
 	if cniGate != nil {
-		ncfg.CapturedWorkloads, ncfg.LinkHint = cniGate.Captured, cniGate.LinkHint
+		ncfg.Captured, ncfg.LinkHint = cniGate.Captured, cniGate.LinkHint
 		ncfg.WhileReady = func(ctx context.Context) {
 			if err := cniGate.Serve(ctx); err != nil {
 				log.Error().Err(err).Msg("CNI startup gate: pods of the mesh cannot start on this node")
@@ -220,7 +190,7 @@ func runNode(ctx context.Context, args []string) error {
 	}
 	switch {
 	case spireSocket != "":
-		sp, err := identity.DialSpire(ctx, identity.SpireConfig{AdminSocket: spireSocket, TrustDomain: mesh.TrustDomain, Logger: log})
+		sp, err := identity.DialSpire(ctx, identity.SpireConfig{AdminSocket: spireSocket, TrustDomain: td, Logger: log})
 		if err != nil {
 			return err
 		}
@@ -228,7 +198,7 @@ func runNode(ctx context.Context, args []string) error {
 		ncfg.Issuer, ncfg.Bundle = sp, sp.Bundle()
 		log.Info().Str("spire_admin_socket", spireSocket).Msg("certificates from the SPIRE agent")
 	case xf.caAddress != "":
-		remote, err := istiodIssuer(xf, mesh.TrustDomain, c.CA.SVIDTTL, log)
+		remote, err := istiodIssuer(xf, td, c.CA.SVIDTTL, log)
 		if err != nil {
 			return err
 		}
@@ -240,7 +210,7 @@ func runNode(ctx context.Context, args []string) error {
 	case c.CA.Address == "":
 		return fmt.Errorf("%s: ca.address is required: the address of `meshtun ca` (or, for development only, ca.insecureSharedDir: true to have every node hold the root key)", path)
 	case useKube && caTokenFile != "":
-		remote, err := tokenIssuer(c, mesh.TrustDomain, caTokenFile, caRoots, log)
+		remote, err := tokenIssuer(c, td, caTokenFile, caRoots, log)
 		if err != nil {
 			return err
 		}
@@ -248,7 +218,7 @@ func runNode(ctx context.Context, args []string) error {
 		ncfg.Issuer, ncfg.Bundle = remote, remote.Bundle()
 		log.Info().Str("ca", c.CA.Address).Str("token_file", caTokenFile).Str("roots", caRoots).Msg("certificates from the certificate service, authenticated by service-account token")
 	default:
-		remote, err := remoteIssuer(c, mesh.TrustDomain, credDir, log)
+		remote, err := remoteIssuer(c, td, credDir, log)
 		if err != nil {
 			return err
 		}
@@ -261,6 +231,24 @@ func runNode(ctx context.Context, args []string) error {
 		return nil
 	}
 	return err
+}
+
+// thenStart is a model source that runs then once the source has synced,
+// before the node is given its first model.
+type thenStart struct {
+	registry.Source
+	then func(context.Context) error
+}
+
+func (t thenStart) Start(ctx context.Context) (*registry.Snapshot, error) {
+	snap, err := t.Source.Start(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if err := t.then(ctx); err != nil {
+		return nil, err
+	}
+	return snap, nil
 }
 
 // nodeProcs returns the GOMAXPROCS of the node: flag if set, else the

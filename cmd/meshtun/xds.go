@@ -56,25 +56,25 @@ func (f *xdsFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.network, "network", os.Getenv("NETWORK"), "with --xds-address: this node's Istio `network` (default $NETWORK, empty)")
 }
 
-// startXDS connects to istiod, waits for the first model and returns it
-// with the source that follows istiod from then on and, with
-// --redirect-pods, what the node tells of the pods it has captured
-// (node.Config.Captured; nil without).
-func startXDS(ctx context.Context, f xdsFlags, kubeconfig, nodeName string, c *config.Config, log zerolog.Logger) (*registry.Snapshot, *xds.Source, func([]registry.WorkloadRef), error) {
+// newXDS returns the source of the mesh model that follows istiod (the
+// node starts it) and, with --redirect-pods, what the node tells of the
+// pods it has captured (node.Config.Captured; nil without), whose
+// redirector runs until ctx ends.
+func newXDS(ctx context.Context, f xdsFlags, kubeconfig, nodeName string, c *config.Config, log zerolog.Logger) (*xds.Source, func([]*registry.Workload), error) {
 	for _, r := range []struct{ v, flag string }{
 		{f.podName, "--pod-name (or POD_NAME)"}, {f.podNamespace, "--pod-namespace (or POD_NAMESPACE)"},
 		{f.serviceAccount, "--service-account (or SERVICE_ACCOUNT)"}, {f.instanceIP, "--instance-ip (or INSTANCE_IP)"},
 	} {
 		if r.v == "" {
-			return nil, nil, nil, fmt.Errorf("--xds-address needs %s: istiod checks who the node proxy is", r.flag)
+			return nil, nil, fmt.Errorf("--xds-address needs %s: istiod checks who the node proxy is", r.flag)
 		}
 	}
 	if kubeconfig != "" && !f.redirectPods {
-		return nil, nil, nil, errors.New("--kubeconfig with --xds-address is for --redirect-pods: the model comes from istiod")
+		return nil, nil, errors.New("--kubeconfig with --xds-address is for --redirect-pods: the model comes from istiod")
 	}
 	ip, err := netip.ParseAddr(f.instanceIP)
 	if err != nil {
-		return nil, nil, nil, fmt.Errorf("--instance-ip %q: %w", f.instanceIP, err)
+		return nil, nil, fmt.Errorf("--instance-ip %q: %w", f.instanceIP, err)
 	}
 	if len(c.Workloads) > 0 || len(c.Services) > 0 {
 		log.Warn().Str("config", c.Path).Msg("with --xds-address the workloads and services of the config file are ignored: istiod's are the mesh")
@@ -88,11 +88,11 @@ func startXDS(ctx context.Context, f xdsFlags, kubeconfig, nodeName string, c *c
 		TrustDomain: c.TrustDomainID(), RootNamespace: c.RootNamespace, DomainSuffix: c.ClusterDomain,
 		PeerAuth: c.DefaultPeerAuth(), Policies: c.Policies(), Logger: log,
 	})
-	var captured func([]registry.WorkloadRef)
+	var captured func([]*registry.Workload)
 	if f.redirectPods {
 		cs, err := kubeClient(kubeconfig, nodeName)
 		if err != nil {
-			return nil, nil, nil, err
+			return nil, nil, err
 		}
 		klogToZerolog(log)
 		// Before the model: istiod marks the pods HBONE only once they
@@ -100,14 +100,16 @@ func startXDS(ctx context.Context, f xdsFlags, kubeconfig, nodeName string, c *c
 		// has captured them (the source marks them in the mesh here
 		// meanwhile).
 		r := kube.NewRedirector(cs, nodeName, src.Enroll, src.ProbePorts, log)
-		captured = r.Captured
+		captured = func(ws []*registry.Workload) {
+			refs := make([]registry.WorkloadRef, len(ws))
+			for i, w := range ws {
+				refs[i] = registry.WorkloadRef{Namespace: w.Namespace, Name: w.Name}
+			}
+			r.Captured(refs)
+		}
 		go r.Run(ctx)
 	}
-	snap, err := src.Start(ctx)
-	if err != nil {
-		return nil, nil, nil, err
-	}
-	return snap, src, captured, nil
+	return src, captured, nil
 }
 
 // istiodIssuer returns the client of istiod's CA: TLS verified by

@@ -450,12 +450,14 @@ func (c *Config) Snapshot() (*registry.Snapshot, error) {
 		RootNamespace: c.RootNamespace,
 		DomainSuffix:  c.ClusterDomain,
 		Policies:      c.policies,
+		LinksKnown:    true,
 	}
+	links := c.captureLinks()
 	for i := range c.Workloads {
 		w := &c.Workloads[i]
 		rw := &registry.Workload{
 			Name: w.Name, Namespace: w.Namespace, ServiceAccount: w.ServiceAccount, Node: w.Node,
-			Labels: w.Labels, InMesh: w.InMesh(), ProbePorts: w.ProbePorts,
+			Labels: w.Labels, InMesh: w.InMesh(), ProbePorts: w.ProbePorts, CaptureLinks: links[i],
 		}
 		for _, a := range w.Addresses {
 			rw.Addresses = append(rw.Addresses, a)
@@ -496,4 +498,40 @@ func (c *Config) Snapshot() (*registry.Snapshot, error) {
 		return nil, fmt.Errorf("config %s: %w", c.Path, err)
 	}
 	return snap, nil
+}
+
+// captureLinks returns, by index of c.Workloads, the capture links of each
+// mesh workload on its node: the one it names as its captureLink or, if it
+// names none, those of its node's captureLinks that no mesh workload of
+// the node names. The links of a workload may carry its addresses as
+// sources; any other source that arrives on a capture link is spoofed and
+// dropped.
+func (c *Config) captureLinks() [][]string {
+	named := map[[2]string]bool{} // node, link
+	for i := range c.Workloads {
+		if w := &c.Workloads[i]; w.InMesh() && w.CaptureLink != "" {
+			named[[2]string{w.Node, w.CaptureLink}] = true
+		}
+	}
+	unnamed := map[string][]string{} // node → links no workload names
+	for i := range c.Nodes {
+		n := &c.Nodes[i]
+		for _, l := range n.CaptureLinks {
+			if !named[[2]string{n.Name, l}] {
+				unnamed[n.Name] = append(unnamed[n.Name], l)
+			}
+		}
+	}
+	out := make([][]string, len(c.Workloads))
+	for i := range c.Workloads {
+		w := &c.Workloads[i]
+		switch {
+		case !w.InMesh():
+		case w.CaptureLink != "":
+			out[i] = []string{w.CaptureLink}
+		default:
+			out[i] = unnamed[w.Node]
+		}
+	}
+	return out
 }

@@ -94,8 +94,11 @@ type Config struct {
 	Logger    zerolog.Logger
 }
 
-// Source watches the API server and builds snapshots of the mesh.
+// Source watches the API server and builds snapshots of the mesh: a
+// registry.Source.
 type Source struct {
+	registry.Mailbox // Updates: the snapshots built after Start's
+
 	cfg     Config
 	log     zerolog.Logger
 	infs    []cache.SharedIndexInformer
@@ -106,7 +109,6 @@ type Source struct {
 	synced  []cache.InformerSynced
 	stopped func() // waits until the informers have stopped
 	dirty   chan struct{}
-	updates chan *registry.Snapshot
 	istio   *istio // nil without Config.Dynamic
 
 	mu     sync.Mutex
@@ -146,8 +148,8 @@ func New(cfg Config) *Source {
 	}
 	s := &Source{
 		cfg: cfg, log: cfg.Logger.With().Str("source", "kubernetes").Logger(),
-		dirty: make(chan struct{}, 1), updates: make(chan *registry.Snapshot, 1),
-		last: map[string]string{},
+		dirty: make(chan struct{}, 1),
+		last:  map[string]string{},
 	}
 	h := cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(any) { s.changed() },
@@ -220,10 +222,6 @@ func (s *Source) Start(ctx context.Context) (*registry.Snapshot, error) {
 	return snap, nil
 }
 
-// Updates delivers the snapshots built after Start's. Only the newest
-// matters: an unread one is replaced.
-func (s *Source) Updates() <-chan *registry.Snapshot { return s.updates }
-
 func (s *Source) run(ctx context.Context) {
 	defer s.stopped()
 	for {
@@ -236,11 +234,7 @@ func (s *Source) run(ctx context.Context) {
 		if err != nil {
 			continue // logged by Build; the last good model stays
 		}
-		select { // replace an unread snapshot
-		case <-s.updates:
-		default:
-		}
-		s.updates <- snap
+		s.Put(snap)
 	}
 }
 
@@ -252,6 +246,11 @@ func (s *Source) Status() Status {
 	st.LocalPods = slices.Clone(st.LocalPods)
 	return st
 }
+
+var _ registry.Source = (*Source)(nil)
+
+// SourceStatus returns Status (registry.Source).
+func (s *Source) SourceStatus() any { return s.Status() }
 
 // Build builds a snapshot from the informers' caches.
 func (s *Source) Build() (*registry.Snapshot, error) {

@@ -76,8 +76,8 @@ func TestCertificateRetriedWithBackoff(t *testing.T) {
 		t.Fatal(err)
 	}
 	w = snap.Workloads[0]
-	captured := make(chan []registry.WorkloadRef, 16)
-	n := &node{cfg: Config{Name: "n1", Captured: func(r []registry.WorkloadRef) { captured <- r }},
+	captured := make(chan []*registry.Workload, 16)
+	n := &node{cfg: Config{Name: "n1", Captured: func(ws []*registry.Workload) { captured <- ws }},
 		reg: registry.New(snap), svids: src, log: zerolog.Nop(), rulesOK: true}
 	n.ready.Store(true)
 	n.certs = newCertKeeper(context.Background(), src, n.certificateIssued, zerolog.Nop())

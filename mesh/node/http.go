@@ -98,7 +98,11 @@ func (n *node) readiness(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if !n.ready.Load() {
-		http.Error(w, "not ready", http.StatusServiceUnavailable)
+		msg := "not ready"
+		if !n.synced.Load() {
+			msg = "not ready: waiting for the mesh model's source (see /config_dump)"
+		}
+		http.Error(w, msg, http.StatusServiceUnavailable)
 		return
 	}
 	var missing []*registry.Workload
@@ -261,8 +265,8 @@ func (n *node) configDump(w http.ResponseWriter, r *http.Request) {
 	if n.px != nil {
 		d.Connections = n.px.Open()
 	}
-	if n.cfg.Status != nil {
-		d.Source = n.cfg.Status()
+	if n.cfg.Source != nil {
+		d.Source = n.cfg.Source.SourceStatus()
 	}
 	if n.cls != nil {
 		d.Flows = n.cls.Len()

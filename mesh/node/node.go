@@ -5,7 +5,6 @@ package node
 
 import (
 	"context"
-	"crypto/sha256"
 	"crypto/tls"
 	"errors"
 	"fmt"
@@ -19,7 +18,6 @@ import (
 	"github.com/spiffe/go-spiffe/v2/bundle/x509bundle"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 
-	"github.com/meshtun/meshtun/mesh/config"
 	"github.com/meshtun/meshtun/mesh/identity"
 	"github.com/meshtun/meshtun/mesh/metrics"
 	"github.com/meshtun/meshtun/mesh/proxy"
@@ -35,11 +33,18 @@ type Config struct {
 	// Name is this node's name: workloads whose Node equals it are local.
 	Name string
 	TUN  tun.Config
-	// CaptureLinks are the node-side links of the captured pods, each
-	// with the addresses its pods may send from ([CaptureLinks]).
-	CaptureLinks []tun.CaptureLink
-	// Mesh is the initial model of the mesh.
-	Mesh *registry.Snapshot
+	// Source is where the mesh model comes from (the config file,
+	// Kubernetes, istiod): Run starts it once its HTTP endpoints are up
+	// (readiness answers 503 until the source has synced and capture is
+	// installed) and follows its updates until it drains. Each local mesh
+	// workload is captured on the links its model names
+	// (Workload.CaptureLinks) or, unless the snapshot says the links are
+	// known, on the one its route leads to.
+	Source registry.Source
+	// CaptureLinks are node-side links captured whatever the model says
+	// (the node's captureLinks in the config file): a packet from one of
+	// them whose source is no local workload's address on it is dropped.
+	CaptureLinks []string
 	// Issuer issues the local workloads' SVIDs (a RemoteIssuer: the keys
 	// stay on the node, the root key does not come here) and Bundle holds
 	// the roots peers are verified against. If Issuer is nil, the node
@@ -48,42 +53,18 @@ type Config struct {
 	Issuer identity.Issuer
 	Bundle x509bundle.Source
 	// CA is the built-in certificate authority, used only if Issuer is nil.
-	// Its TrustDomain must be Mesh's.
+	// Its TrustDomain is the model's.
 	CA identity.CAConfig
-	// ConfigPath, if set, is watched: a valid change replaces the mesh
-	// model (workloads, services, policies) without dropping established
-	// connections; node settings in it take effect at the next start, and
-	// a change of trust domain is refused until then.
-	ConfigPath string
-	// ConfigSum is the config.Config.Sum of the file Mesh was built from:
-	// the watcher applies a content that differs from it. Zero applies the
-	// first content the watcher reads.
-	ConfigSum [sha256.Size]byte
-	// Updates, if set, delivers new models of the mesh (from the
-	// Kubernetes API server); each replaces the current one as a valid
-	// config reload does.
-	Updates <-chan *registry.Snapshot
-	// CaptureByRoute: each local mesh workload's host-side link is found
-	// from the node's route to its address (routed CNIs: kindnet, Calico,
-	// Cilium in routing mode) and captured with the workload's addresses
-	// as its sources, in addition to CaptureLinks.
-	CaptureByRoute bool
-	// Status, if set, is shown as "source" on /config_dump: what the model's
-	// source last saw.
-	Status func() any
 	// Captured, if set, is told after every change of capture which
 	// local mesh workloads are captured: certificate held, host link
-	// found, capture and inbound HBONE rules in place. With istiod as the
-	// source, a pod is annotated for redirection only once it is
-	// (kube.Redirector.Captured).
-	Captured func([]registry.WorkloadRef)
-	// CapturedWorkloads, if set, is told the same as Captured, with the
-	// workloads (and so their addresses): the CNI startup gate answers a
-	// pod's ADD once its announced addresses are captured.
-	CapturedWorkloads func([]*registry.Workload)
+	// known or found, capture and inbound HBONE rules in place. With
+	// istiod as the source, a pod is annotated for redirection only once
+	// it is (kube.Redirector.Captured); the CNI startup gate answers a
+	// pod's ADD once its announced addresses are (gate.Gate.Captured).
+	Captured func([]*registry.Workload)
 	// LinkHint, if set, names the host link of a local workload's address
-	// when CaptureByRoute finds no route to it (the CNI startup gate's
-	// announced link).
+	// when the model does not know its link and no route to it is found
+	// (the CNI startup gate's announced link).
 	LinkHint func(netip.Addr) (string, bool)
 	// WhileReady, if set, runs from the moment the node is ready (capture
 	// installed) until it starts to drain, when its context ends: the CNI
@@ -133,6 +114,14 @@ type Config struct {
 // ReadyMessage is the log message Run writes once traffic is captured.
 const ReadyMessage = "node ready"
 
+// SyncingMessage is the log message Run writes when it starts the model's
+// source; ModelUpdatedMessage the one written once each later model is
+// in force (capture, certificates and open connections updated).
+const (
+	SyncingMessage      = "waiting for the mesh model's source"
+	ModelUpdatedMessage = "mesh model updated"
+)
+
 // NoInterceptWarning is the warning Run logs when Config.NoIntercept is
 // set: the node is in the path but protects nothing.
 const NoInterceptWarning = "--no-intercept: NOTHING IS ENFORCED: no mTLS, no authorization, no STRICT peer authentication; every packet passes the TUN verbatim (for measuring the TUN path only)"
@@ -176,12 +165,8 @@ const DefaultAckDelay = time.Millisecond
 // removes everything it installed, and returns ctx's error.
 func Run(ctx context.Context, cfg Config) (err error) {
 	log := cfg.Logger
-	if cfg.Mesh == nil {
-		return errors.New("node: no mesh model")
-	}
-	locals := localWorkloads(cfg.Mesh, cfg.Name)
-	if len(locals) == 0 {
-		log.Warn().Str("node", cfg.Name).Msg("no mesh workloads on this node yet; the config file may add some")
+	if cfg.Source == nil {
+		return errors.New("node: no source of the mesh model")
 	}
 	if cfg.DrainPeriod == 0 {
 		cfg.DrainPeriod = DefaultDrainPeriod
@@ -190,7 +175,9 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	// signal that stops the node must not cut them.
 	runCtx, stopRun := context.WithCancel(context.WithoutCancel(ctx))
 	defer stopRun()
-	n := &node{cfg: cfg, log: log, reg: registry.New(cfg.Mesh), metrics: metrics.New()}
+	// Until the source has synced the registry holds an empty model,
+	// which only /config_dump reads.
+	n := &node{cfg: cfg, log: log, reg: registry.New(&registry.Snapshot{}), metrics: metrics.New()}
 	// meshtun's own kernel sockets whose packets cross the TUN (the rules
 	// capture every packet to a local mesh pod, the node's included) and
 	// go out verbatim: its listeners and its connections from the node to
@@ -207,12 +194,27 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	}
 	defer stopHTTP()
 
+	// The model: the source runs until ctx ends (its updates stop when
+	// the drain begins).
+	log.Info().Msg(SyncingMessage)
+	mesh, err := cfg.Source.Start(ctx)
+	if err != nil {
+		return fmt.Errorf("node: the mesh model's source: %w", err)
+	}
+	n.reg.Store(mesh)
+	n.synced.Store(true)
+	td := mesh.TrustDomain
+	locals := localWorkloads(mesh, cfg.Name)
+	if len(locals) == 0 {
+		log.Warn().Str("node", cfg.Name).Msg("no mesh workloads on this node yet; the mesh model's source may add some")
+	}
+
 	// The identity source next; the certificates themselves are asked
 	// for only once capture is installed (below): a CA that is down, or
 	// refuses an identity, must never leave the pods uncaptured.
 	issuer, bundle := cfg.Issuer, cfg.Bundle
 	if issuer == nil {
-		cfg.CA.TrustDomain = cfg.Mesh.TrustDomain
+		cfg.CA.TrustDomain = td
 		cfg.CA.Logger = log
 		log.Warn().Str("ca_dir", cfg.CA.Dir).Msg("INSECURE (development only): this node holds the CA root key and issues its own certificates; a compromised node can mint any identity of the trust domain. Use `meshtun ca` (ca.address) instead.")
 		ca, err := identity.OpenCA(cfg.CA)
@@ -222,7 +224,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 		issuer, bundle = ca, ca.Bundle()
 	}
 	n.svids, err = identity.NewSource(identity.SourceConfig{
-		Issuer: issuer, Bundle: bundle, TrustDomain: cfg.Mesh.TrustDomain, Logger: log,
+		Issuer: issuer, Bundle: bundle, TrustDomain: td, Logger: log,
 	})
 	if err != nil {
 		return err
@@ -261,7 +263,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	}
 	n.sink = &spoofSink{dev: sinkDev, log: log}
 	go n.sink.run()
-	links, _ := n.captureLinks(cfg.CaptureLinks, locals)
+	links, _ := n.captureLinks(mesh, locals)
 	v4, v6 := families(locals, links)
 	sys, err := tun.SetSysctls(tun.SysctlConfig{TUN: dev.Name(), IPv4: v4, IPv6: v6, Logger: log})
 	if err != nil {
@@ -318,7 +320,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 		return err
 	}
 	n.hs, err = hbone.NewServer(hbone.ServerConfig{
-		TLS: identity.ServerTLS(n.svids, cfg.Mesh.TrustDomain, func(local netip.Addr) (spiffeid.ID, bool) {
+		TLS: identity.ServerTLS(n.svids, td, func(local netip.Addr) (spiffeid.ID, bool) {
 			w := n.reg.Load().Workload(local)
 			if w == nil || !w.InMesh || w.Node != cfg.Name || w.Refused != "" || !n.hasCertificate(w.Identity) {
 				return spiffeid.ID{}, false
@@ -398,12 +400,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	n.rulesOK = true
 	n.reportCaptured(locals, true)
 	n.captureMu.Unlock()
-	if cfg.ConfigPath != "" {
-		go watchConfig(runCtx, cfg.ConfigPath, n, log)
-	}
-	if cfg.Updates != nil {
-		go n.follow(runCtx, cfg.Updates)
-	}
+	go n.follow(runCtx, cfg.Source.Updates())
 
 	n.ready.Store(true)
 	readyCtx, stopReady := context.WithCancel(runCtx)
@@ -419,8 +416,8 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	}
 	log.Info().Str("node", cfg.Name).Str("tun", dev.Name()).Int("mtu", dev.MTU()).
 		Strs("capture_links", linkNames).Str("hbone_inbound", hboneOn).
-		Int("workloads", len(locals)).Int("workloads_without_certificate", len(n.uncertified(cfg.Mesh))).
-		Str("trust_domain", cfg.Mesh.TrustDomain.String()).
+		Int("workloads", len(locals)).Int("workloads_without_certificate", len(n.uncertified(mesh))).
+		Str("trust_domain", td.String()).
 		Msg(ReadyMessage)
 	<-ctx.Done()
 
@@ -440,7 +437,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 }
 
 // node is a running node proxy's state, shared by its HTTP endpoints and
-// the config watcher.
+// the update loop.
 type node struct {
 	cfg     Config
 	log     zerolog.Logger
@@ -455,15 +452,16 @@ type node struct {
 	px      *proxy.Proxy
 	hl      *hboneListeners
 
-	captureMu    sync.Mutex      // capture updates, from the config watcher or the source
-	bridgeWarned bool            // CaptureByRoute found a bridge CNI; said so once
-	noRoute      map[string]bool // CaptureByRoute: local workloads without a host route, logged once
+	captureMu    sync.Mutex      // capture updates (the update loop; certificates issued)
+	bridgeWarned bool            // a route led to a bridge CNI; said so once
+	noRoute      map[string]bool // local workloads without a link known or routed, logged once
 	rulesOK      bool            // the last capture update installed its rules (captureMu)
 	certs        *certKeeper
 	routes       *tun.Routing
 	local        *tun.LocalDelivery // nil: inbound HBONE on the netstack
 	sink         *spoofSink
 	ready        atomic.Bool
+	synced       atomic.Bool       // the source delivered its first model
 	httpAddrs    map[string]string // bound addresses of serveHTTP, by endpoint
 }
 
@@ -522,49 +520,14 @@ func (n *node) dataPlaneStats() metrics.DataPlaneStats {
 	return d
 }
 
-// interceptPolicy is the classifier's policy: capturePolicy, or nil (and a
-// loud warning) with NoIntercept.
+// interceptPolicy is the classifier's policy: proxy.CapturePolicy, or nil
+// (and a loud warning) with NoIntercept.
 func interceptPolicy(reg *registry.Registry, cfg Config, fromNode func(netip.Addr) bool, log zerolog.Logger) classify.Policy {
 	if cfg.NoIntercept {
 		log.Warn().Str("node", cfg.Name).Msg(NoInterceptWarning)
 		return nil
 	}
-	return capturePolicy(reg, cfg.Name, fromNode)
-}
-
-// capturePolicy selects the SYNs the netstack takes: connections opened by
-// a local mesh workload (outbound), HBONE to a local mesh workload
-// (inbound), plaintext from a mesh workload to a local one (its own node
-// should have tunnelled it), and plaintext to a local mesh workload that
-// STRICT mode or an authorization policy protects (to be authorized, or
-// refused), also from the node itself (fromNode: a source address of the
-// node's own), except to the workload's probe ports. Everything else stays
-// verbatim: plaintext to an unprotected PERMISSIVE workload reaches it
-// directly, and so do the node's probes.
-//
-// The classifier also asks it, for a segment of no known flow, about both
-// orientations of the connection, and keeps the segment from going out
-// verbatim when both say yes. So it says yes both ways between two mesh
-// workloads, whose traffic must never be verbatim, and no for the node's
-// probes, whose replies must stay verbatim.
-func capturePolicy(reg *registry.Registry, node string, fromNode func(netip.Addr) bool) classify.Policy {
-	return classify.PolicyFunc(func(src, dst netip.AddrPort) bool {
-		s := reg.Load()
-		sw := s.Workload(src.Addr())
-		if sw != nil && sw.InMesh && sw.Node == node {
-			return true
-		}
-		if w := s.Workload(dst.Addr()); w != nil && w.InMesh && w.Node == node {
-			if dst.Port() == hbone.Port || sw != nil && sw.InMesh {
-				return true
-			}
-			if w.ProbePort(dst.Port()) && fromNode(src.Addr()) {
-				return false
-			}
-			return w.Protected(dst.Port())
-		}
-		return false
-	})
+	return proxy.CapturePolicy(reg, cfg.Name, fromNode)
 }
 
 // hboneListeners keeps a netstack listener on port 15008 of every local
@@ -613,63 +576,6 @@ func (h *hboneListeners) close() {
 	h.sync(nil)
 }
 
-// watchConfig replaces the mesh model whenever the config file changes to
-// a valid one, and has the proxy re-authorize its open connections. An
-// invalid file keeps the last good model.
-func watchConfig(ctx context.Context, path string, n *node, log zerolog.Logger) {
-	r := &reloader{
-		path: path, inForce: n.cfg.ConfigSum, td: n.cfg.Mesh.TrustDomain, log: log,
-		apply: func(c *config.Config, snap *registry.Snapshot) { n.apply(ctx, c, snap) },
-	}
-	err := config.Watch(ctx, path, r.onChange, r.onError)
-	if err != nil && !errors.Is(err, context.Canceled) {
-		log.Error().Err(err).Str("config", path).Msg("config watch stopped")
-	}
-}
-
-// reloader decides which configs the watcher delivers are applied: one
-// whose content differs from the config in force, that builds, and that
-// keeps the trust domain. It compares content, not the order of
-// deliveries, so that a change made between the start-up load and the
-// watch is applied, and a valid change after an invalid one too.
-type reloader struct {
-	path string
-	// inForce is the Sum of the config whose model is in force; the zero
-	// value (none known) matches no config.
-	inForce [sha256.Size]byte
-	// td is the trust domain of the running node: the CA, the SVIDs and
-	// the TLS verification are built for it.
-	td    spiffeid.TrustDomain
-	apply func(*config.Config, *registry.Snapshot)
-	log   zerolog.Logger
-}
-
-func (r *reloader) onChange(c *config.Config) {
-	if c.Sum() == r.inForce {
-		r.log.Debug().Str("config", r.path).Msg("config unchanged from the one in force")
-		return
-	}
-	snap, err := c.Snapshot()
-	if err != nil {
-		r.log.Error().Err(err).Str("config", r.path).Msg("config reload failed; keeping the last good model")
-		return
-	}
-	if snap.TrustDomain != r.td {
-		r.log.Error().Str("config", r.path).Str("trust_domain", snap.TrustDomain.String()).Str("in_force", r.td.String()).
-			Msgf("config reload refused: the trust domain changed from %s to %s, which needs a restart of the node; keeping the last good model", r.td, snap.TrustDomain)
-		return
-	}
-	for _, w := range c.Warnings {
-		r.log.Warn().Str("config", r.path).Msg(w)
-	}
-	r.apply(c, snap)
-	r.inForce = c.Sum()
-}
-
-func (r *reloader) onError(err error) {
-	r.log.Error().Err(err).Str("config", r.path).Msg("config reload failed; keeping the last good model")
-}
-
 // svidSet is the part of identity.Source that syncSVIDs uses.
 type svidSet interface {
 	IDs() []spiffeid.ID
@@ -695,54 +601,38 @@ func syncSVIDs(src svidSet, want []*registry.Workload, log zerolog.Logger) int {
 	return removed
 }
 
-// apply installs a new mesh model from a reloaded config.
-func (n *node) apply(ctx context.Context, c *config.Config, snap *registry.Snapshot) {
-	path := c.Path
-	links, err := CaptureLinks(c, n.cfg.Name)
-	if err != nil {
-		n.log.Error().Err(err).Str("config", path).Msg("config reload: this node is gone from the file; capture unchanged")
-	}
-	closed, removed, _ := n.install(ctx, snap, links, err == nil)
-	n.log.Info().Str("config", path).Int("workloads", len(snap.Workloads)).Int("services", len(snap.Services)).
-		Int("policies", len(snap.Policies)).Int("certificates_removed", removed).Int("connections_closed", closed).Msg("config reloaded")
-}
-
 // install makes snap the current model: the snapshot first, then old
-// certificates go; then (if updateCapture) capture follows the node's
-// workloads: pods added to this node are captured from now on, rules added
+// certificates go; then capture follows the node's workloads: pods added to this node are captured from now on, rules added
 // before old ones go; then the certificates of new local workloads are
 // asked for (capture never waits on the CA: a new workload is blocked for
 // mesh connections until its certificate arrives, retried in the
 // background if it does not); last the open connections are
 // re-authorized. It returns how many connections were closed and
 // certificates removed, and whether every local workload's host link was
-// found (with CaptureByRoute).
-func (n *node) install(ctx context.Context, snap *registry.Snapshot, links []tun.CaptureLink, updateCapture bool) (closed, removed int, complete bool) {
+// found.
+func (n *node) install(ctx context.Context, snap *registry.Snapshot) (closed, removed int, complete bool) {
 	locals := localWorkloads(snap, n.cfg.Name)
 	certified := withCertificates(locals)
 	n.reg.Store(snap)
 	n.hl.sync(locals)
 	removed = syncSVIDs(n.svids, certified, n.log)
-	complete = true
-	if updateCapture {
-		n.captureMu.Lock()
-		var all []tun.CaptureLink
-		all, complete = n.captureLinks(links, locals)
-		ok := true
-		if err := n.routes.Update(all, podPrefixes(locals)); err != nil {
-			n.log.Error().Err(err).Msg("update capture rules")
+	n.captureMu.Lock()
+	var all []tun.CaptureLink
+	all, complete = n.captureLinks(snap, locals)
+	ok := true
+	if err := n.routes.Update(all, podPrefixes(locals)); err != nil {
+		n.log.Error().Err(err).Msg("update capture rules")
+		ok = false
+	} else if n.local != nil {
+		if err := n.local.Update(podAddrs(locals)); err != nil {
+			n.log.Error().Err(err).Msg("update HBONE local-delivery rules")
 			ok = false
-		} else if n.local != nil {
-			if err := n.local.Update(podAddrs(locals)); err != nil {
-				n.log.Error().Err(err).Msg("update HBONE local-delivery rules")
-				ok = false
-			}
 		}
-		n.rulesOK = ok
-		n.reportCaptured(locals, ok)
-		n.captureMu.Unlock()
 	}
-	if n.certs.sync(ctx, certified) > 0 && updateCapture {
+	n.rulesOK = ok
+	n.reportCaptured(locals, ok)
+	n.captureMu.Unlock()
+	if n.certs.sync(ctx, certified) > 0 {
 		n.certificateIssued()
 	}
 	return n.px.Reauthorize(), removed, complete
@@ -750,13 +640,12 @@ func (n *node) install(ctx context.Context, snap *registry.Snapshot, links []tun
 
 // reportCaptured tells Config.Captured which of locals are captured:
 // rulesOK (the capture and local-delivery rules were installed), the
-// workload's certificate held and, with CaptureByRoute, its host link
-// found. Called with captureMu held, or before the node follows updates.
+// workload's certificate held and its link known or found. Called with
+// captureMu held.
 func (n *node) reportCaptured(locals []*registry.Workload, rulesOK bool) {
-	if n.cfg.Captured == nil && n.cfg.CapturedWorkloads == nil {
+	if n.cfg.Captured == nil {
 		return
 	}
-	var refs []registry.WorkloadRef
 	var ws []*registry.Workload
 	for _, w := range locals {
 		if !rulesOK || n.noRoute[w.String()] {
@@ -765,26 +654,47 @@ func (n *node) reportCaptured(locals []*registry.Workload, rulesOK bool) {
 		if _, held := n.svids.Expiry(w.Identity); !held {
 			continue
 		}
-		refs = append(refs, registry.WorkloadRef{Namespace: w.Namespace, Name: w.Name})
 		ws = append(ws, w)
 	}
-	if n.cfg.Captured != nil {
-		n.cfg.Captured(refs)
-	}
-	if n.cfg.CapturedWorkloads != nil {
-		n.cfg.CapturedWorkloads(ws)
-	}
+	n.cfg.Captured(ws)
 }
 
-// captureLinks returns links plus, with CaptureByRoute, the host-side
-// links of the local mesh workloads found from their routes, each with
-// its workloads' addresses as sources, and whether every workload had one.
-// A bridge CNI is reported once: its pods' links are not captured (that
-// would capture every pod on the bridge).
-func (n *node) captureLinks(links []tun.CaptureLink, locals []*registry.Workload) ([]tun.CaptureLink, bool) {
-	if !n.cfg.CaptureByRoute {
-		return links, true
+// captureLinks returns the links to capture, each with the addresses of
+// the local mesh workloads whose packets arrive on it: Config.CaptureLinks,
+// the links the model names (Workload.CaptureLinks) and, unless the
+// snapshot's LinksKnown, the host-side links of the other workloads
+// found from their routes; and whether every workload had one. A bridge
+// CNI is reported once: its pods' links are not captured (that would
+// capture every pod on the bridge).
+func (n *node) captureLinks(snap *registry.Snapshot, locals []*registry.Workload) ([]tun.CaptureLink, bool) {
+	var out []tun.CaptureLink
+	index := map[string]int{}
+	add := func(name string, srcs []netip.Addr) {
+		i, ok := index[name]
+		if !ok {
+			i = len(out)
+			index[name] = i
+			out = append(out, tun.CaptureLink{Name: name})
+		}
+		out[i].Sources = append(out[i].Sources, srcs...)
 	}
+	for _, l := range n.cfg.CaptureLinks {
+		add(l, nil)
+	}
+	var unlinked []*registry.Workload
+	for _, w := range locals {
+		for _, l := range w.CaptureLinks {
+			add(l, w.Addresses)
+		}
+		if len(w.CaptureLinks) == 0 && !snap.LinksKnown {
+			unlinked = append(unlinked, w)
+		}
+	}
+	if len(unlinked) == 0 {
+		n.noRoute = nil
+		return out, true
+	}
+	locals = unlinked
 	var addrs []netip.Addr
 	for _, w := range locals {
 		addrs = append(addrs, w.Addresses...)
@@ -792,12 +702,7 @@ func (n *node) captureLinks(links []tun.CaptureLink, locals []*registry.Workload
 	found, err := tun.HostLinks(addrs)
 	if err != nil {
 		n.log.Error().Err(err).Msg("find the pods' host links")
-		return links, false
-	}
-	out := append([]tun.CaptureLink(nil), links...)
-	index := map[string]int{}
-	for i, l := range out {
-		index[l.Name] = i
+		return out, false
 	}
 	complete := true
 	missing := map[string]bool{}
@@ -833,39 +738,38 @@ func (n *node) captureLinks(links []tun.CaptureLink, locals []*registry.Workload
 						"traffic the pods send is not. Use a routed CNI (kindnet, Calico, Cilium in routing mode)")
 			}
 		default:
-			i, ok := index[link.Name]
-			if !ok {
-				i = len(out)
-				index[link.Name] = i
-				out = append(out, tun.CaptureLink{Name: link.Name})
-			}
-			out[i].Sources = append(out[i].Sources, w.Addresses...)
+			add(link.Name, w.Addresses)
 		}
 	}
 	n.noRoute = missing
 	return out, complete
 }
 
-// follow applies each model from updates (the Kubernetes source). While a
-// local workload has no host route yet, capture is retried every second.
+// follow applies each model from updates, the source's: the one update
+// loop. While a local workload has no host route yet, capture is retried
+// every second.
 func (n *node) follow(ctx context.Context, updates <-chan *registry.Snapshot) {
 	var retry <-chan time.Time
 	for {
 		var snap *registry.Snapshot
+		retried := false
 		select {
 		case <-ctx.Done():
 			return
 		case snap = <-updates:
 		case <-retry:
-			snap = n.reg.Load()
+			snap, retried = n.reg.Load(), true
 		}
-		closed, _, complete := n.install(ctx, snap, n.cfg.CaptureLinks, true)
+		closed, removed, complete := n.install(ctx, snap)
 		retry = nil
 		if !complete {
 			retry = time.After(time.Second)
 		}
-		n.log.Debug().Int("workloads", len(snap.Workloads)).Int("services", len(snap.Services)).
-			Int("local", len(localWorkloads(snap, n.cfg.Name))).Int("connections_closed", closed).Msg("mesh model updated")
+		if !retried {
+			n.log.Info().Int("workloads", len(snap.Workloads)).Int("services", len(snap.Services)).
+				Int("policies", len(snap.Policies)).Int("local", len(localWorkloads(snap, n.cfg.Name))).
+				Int("certificates_removed", removed).Int("connections_closed", closed).Msg(ModelUpdatedMessage)
+		}
 	}
 }
 

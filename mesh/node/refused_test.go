@@ -7,6 +7,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 
+	"github.com/meshtun/meshtun/mesh/proxy"
 	"github.com/meshtun/meshtun/mesh/registry"
 )
 
@@ -26,7 +27,7 @@ func TestRefusedWorkloadCaptured(t *testing.T) {
 		t.Fatal(err)
 	}
 	reg := registry.New(snap)
-	p := capturePolicy(reg, "n1", func(netip.Addr) bool { return false })
+	p := proxy.CapturePolicy(reg, "n1", func(netip.Addr) bool { return false })
 	ap := netip.MustParseAddrPort
 	for _, tc := range []struct{ src, dst string }{
 		{"198.18.1.12:40000", "203.0.113.1:443"},  // outbound from it

@@ -9,44 +9,8 @@ import (
 
 	"github.com/rs/zerolog"
 
-	"github.com/meshtun/meshtun/mesh/config"
 	"github.com/meshtun/meshtun/tun"
 )
-
-// CaptureLinks returns the capture links of node name in c, each with the
-// addresses its pods may send from: the addresses of the node's mesh
-// workloads that name the link as their captureLink. A link listed only in
-// the node's captureLinks (no workload names it) may carry the addresses
-// of the node's mesh workloads that name no link. Any other source that
-// arrives on a capture link is spoofed and dropped.
-func CaptureLinks(c *config.Config, name string) ([]tun.CaptureLink, error) {
-	nc, err := c.Node(name)
-	if err != nil {
-		return nil, err
-	}
-	byLink := map[string][]netip.Addr{}
-	var unnamed []netip.Addr
-	for i := range c.Workloads {
-		w := &c.Workloads[i]
-		if w.Node != name || !w.InMesh() {
-			continue
-		}
-		if w.CaptureLink == "" {
-			unnamed = append(unnamed, w.Addresses...)
-			continue
-		}
-		byLink[w.CaptureLink] = append(byLink[w.CaptureLink], w.Addresses...)
-	}
-	var out []tun.CaptureLink
-	for _, l := range nc.CaptureLinks {
-		srcs, named := byLink[l]
-		if !named {
-			srcs = unnamed
-		}
-		out = append(out, tun.CaptureLink{Name: l, Sources: srcs})
-	}
-	return out, nil
-}
 
 // SinkName returns the name of the spoof sink device of the TUN tunName:
 // the name with "s" appended (to its first 14 bytes if it is 15 long, and

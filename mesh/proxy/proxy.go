@@ -146,22 +146,22 @@ func (p *Proxy) netstack() Dialer {
 // connection by the registry and hands it to the path that carries it.
 func (p *Proxy) HandleTCP(req *stack.TCPRequest) {
 	snap := p.cfg.Registry.Load()
-	src := snap.Workload(req.Src.Addr())
-	dst := snap.Workload(req.Dst.Addr())
+	flow, src, dst := Decide(snap, p.cfg.Node, req.Src, req.Dst, p.fromNode)
 
-	if p.draining.Load() && !(p.local(dst) && req.Dst.Port() == hbone.Port) {
+	if p.draining.Load() && flow != InboundHBONE {
 		req.Reject()
 		p.newRecord(req.Src, req.Dst, src, dst, "outbound", "drain").refused(errDraining)
 		return
 	}
 	switch {
-	case p.local(dst) && req.Dst.Port() == hbone.Port && p.server.Load() != nil:
+	case flow == InboundHBONE && p.server.Load() != nil:
 		p.inbound(req, dst)
 	case p.local(src):
 		p.outboundFrom(snap, req, src, dst)
 	case p.local(dst):
-		// Plaintext from outside the mesh to a local workload that STRICT
-		// mode or a policy protects (the others are not intercepted).
+		// Plaintext to a local workload: one that STRICT mode or a
+		// policy protects, or one whose model changed since the SYN was
+		// taken (authorized all the same).
 		p.inboundPlain(snap, req, src, dst)
 	default:
 		p.passthrough(p.newRecord(req.Src, req.Dst, src, dst, "outbound", "passthrough"), req, req.Dst, false)

@@ -90,6 +90,13 @@ type Workload struct {
 	// node itself reaches them directly (not proxied, not authorized),
 	// even under STRICT. From anywhere else they are ordinary ports.
 	ProbePorts []uint16
+	// CaptureLinks are the node-side links (veth peers) the workload's
+	// packets arrive on, when its source knows them (the config file's
+	// captureLink): the node captures them with the workload's addresses
+	// as their allowed sources. Without them, and unless the snapshot's
+	// LinksKnown says there are none, the node finds the workload's link
+	// from its route.
+	CaptureLinks []string
 	// Identity is spiffe://<trust domain>/ns/<Namespace>/sa/<ServiceAccount>;
 	// filled in by NewSnapshot.
 	Identity spiffeid.ID
@@ -303,6 +310,10 @@ type Snapshot struct {
 	Workloads []*Workload
 	Services  []*Service
 	Policies  []*policy.Policy
+	// LinksKnown: the source knows every mesh workload's capture links
+	// (Workload.CaptureLinks, possibly none); no link is looked for by
+	// route. See Model.LinksKnown.
+	LinksKnown bool
 
 	byAddr    *addrTable[*Workload] // port 0
 	byName    map[WorkloadRef]*Workload
@@ -336,6 +347,10 @@ type Model struct {
 	Services     []*Service
 	// Policies must have been built by policy.New.
 	Policies []*policy.Policy
+	// LinksKnown: the workloads' CaptureLinks are all there is (the
+	// config file names them); false: a node finds the links its
+	// workloads lack from their routes (Kubernetes, istiod).
+	LinksKnown bool
 }
 
 // NewSnapshot builds a snapshot of workloads alone, without services or
@@ -372,6 +387,7 @@ func Build(m Model) (*Snapshot, error) {
 		TrustDomain:   m.TrustDomain,
 		RootNamespace: m.RootNamespace,
 		Policies:      m.Policies,
+		LinksKnown:    m.LinksKnown,
 		Workloads:     make([]*Workload, 0, len(m.Workloads)),
 		Services:      make([]*Service, 0, len(m.Services)),
 		byAddr:        newAddrTable[*Workload](nAddrs),

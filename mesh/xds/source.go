@@ -158,13 +158,15 @@ type Status struct {
 	Refused   int `json:"refused"`
 }
 
-// Source follows istiod and builds snapshots of the mesh.
+// Source follows istiod and builds snapshots of the mesh: a
+// registry.Source.
 type Source struct {
-	cfg     Config
-	log     zerolog.Logger
-	conv    converter
-	updates chan *registry.Snapshot
-	first   chan *registry.Snapshot
+	registry.Mailbox // Updates: the snapshots built after Start's
+
+	cfg   Config
+	log   zerolog.Logger
+	conv  converter
+	first chan *registry.Snapshot
 
 	mu       sync.Mutex
 	st       state
@@ -203,11 +205,10 @@ func New(cfg Config) *Source {
 		conv: converter{
 			td: cfg.TrustDomain, network: cfg.Node.Network, root: cfg.RootNamespace, peer: cfg.PeerAuth,
 		},
-		updates: make(chan *registry.Snapshot, 1),
-		first:   make(chan *registry.Snapshot, 1),
-		st:      state{addrs: map[string]addrEntry{}, authz: map[string]authzEntry{}},
-		got:     map[string]bool{},
-		status:  Status{Source: "xds", Address: cfg.Address},
+		first:  make(chan *registry.Snapshot, 1),
+		st:     state{addrs: map[string]addrEntry{}, authz: map[string]authzEntry{}},
+		got:    map[string]bool{},
+		status: Status{Source: "xds", Address: cfg.Address},
 	}
 }
 
@@ -285,16 +286,17 @@ func (s *Source) ProbePorts(ports map[registry.WorkloadRef][]uint16) {
 	s.publish(snap, true)
 }
 
-// Updates delivers the snapshots built after Start's. Only the newest
-// matters: an unread one is replaced.
-func (s *Source) Updates() <-chan *registry.Snapshot { return s.updates }
-
 // Status returns what the source last did.
 func (s *Source) Status() Status {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.status
 }
+
+var _ registry.Source = (*Source)(nil)
+
+// SourceStatus returns Status (registry.Source).
+func (s *Source) SourceStatus() any { return s.Status() }
 
 func (s *Source) run(ctx context.Context) {
 	backoff := s.cfg.MinBackoff
@@ -336,11 +338,7 @@ func (s *Source) publish(snap *registry.Snapshot, ready bool) {
 		s.first <- snap
 		return
 	}
-	select { // replace an unread snapshot
-	case <-s.updates:
-	default:
-	}
-	s.updates <- snap
+	s.Put(snap)
 }
 
 // response is one DeltaDiscoveryResponse's resources.

@@ -149,7 +149,7 @@ func TestAdversarialConfig(t *testing.T) {
 		if msg := l.Str("message"); !strings.Contains(msg, "mesh.yaml:") || !strings.Contains(msg, "this DENY rule is enforced on its L4 part alone") {
 			t.Errorf("warning %q does not name the file or say how the DENY is enforced", msg)
 		}
-		waitLog(t, mark, "reload", func(l noderun.Line) bool { return l.Str("message") == "config reloaded" })
+		waitLog(t, mark, "reload", func(l noderun.Line) bool { return l.Str("message") == "mesh model updated" })
 		refused(t, netip.AddrPortFrom(web.IPv4, 9090), "denied by policy default/no-delete-on-admin")
 		if got := reply(t, netip.AddrPortFrom(web.IPv4, 8080)); got != "web" {
 			t.Fatalf("client → web:8080, a port the DENY does not name: %q", got)
@@ -213,7 +213,7 @@ func TestStrictResetsOpenPlaintext(t *testing.T) {
 	writeConfig(t, c, mesh(true))
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 	defer cancel()
-	if _, err := n.WaitLogSince(ctx, mark, func(l noderun.Line) bool { return l.Str("message") == "config reloaded" }); err != nil {
+	if _, err := n.WaitLogSince(ctx, mark, func(l noderun.Line) bool { return l.Str("message") == "mesh model updated" }); err != nil {
 		t.Fatalf("node logged no reload: %v", err)
 	}
 

@@ -43,7 +43,7 @@ func TestPodJoinsAndLeaves(t *testing.T) {
 		writeConfig(t, c, m)
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
-		if _, err := m1.WaitLogSince(ctx, mark, func(l noderun.Line) bool { return l.Str("message") == "config reloaded" }); err != nil {
+		if _, err := m1.WaitLogSince(ctx, mark, func(l noderun.Line) bool { return l.Str("message") == "mesh model updated" }); err != nil {
 			t.Fatalf("node 1 did not reload: %v", err)
 		}
 	}

@@ -147,7 +147,7 @@ func TestPolicy(t *testing.T) {
 		// Node 1 (the source) reloaded too.
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
-		if _, err := m1.WaitLogSince(ctx, mark, func(l noderun.Line) bool { return l.Str("message") == "config reloaded" }); err != nil {
+		if _, err := m1.WaitLogSince(ctx, mark, func(l noderun.Line) bool { return l.Str("message") == "mesh model updated" }); err != nil {
 			t.Fatalf("node 1 did not reload: %v", err)
 		}
 		refused(t, client, netip.AddrPortFrom(db.IPv4, 5432))
