@@ -181,10 +181,10 @@ func (p *Proxy) outboundFrom(snap *registry.Snapshot, req *stack.TCPRequest, src
 		p.newRecord(req.Src, req.Dst, src, dst, "outbound", "refused").refused(&refusedWorkloadError{src})
 		return
 	}
-	svc, target, dst, ok := serviceTarget(snap, req.Dst, dst, p.cfg.Node)
-	if !ok {
+	svc, target, dst, err := serviceTarget(snap, req.Dst, src, dst)
+	if err != nil {
 		req.Reject()
-		p.newRecord(req.Src, req.Dst, src, nil, "outbound", "service").via(req.Dst, svc).refused(errNoEndpoint)
+		p.newRecord(req.Src, req.Dst, src, dst, "outbound", "service").via(req.Dst, svc).refused(err)
 		return
 	}
 	switch {
@@ -205,21 +205,28 @@ func (p *Proxy) outboundFrom(snap *registry.Snapshot, req *stack.TCPRequest, src
 	}
 }
 
-// serviceTarget resolves an outbound connection to orig (whose workload
-// is dst, or nil): to a service VIP, an endpoint chosen for node (the
-// target address and its workload), or the original destination itself
-// for a PASSTHROUGH service; anything else as it is. ok is false for a
-// service without an endpoint.
-func serviceTarget(snap *registry.Snapshot, orig netip.AddrPort, dst *registry.Workload, node string) (svc *registry.Service, target netip.AddrPort, to *registry.Workload, ok bool) {
-	svc, port := snap.Service(orig)
+// serviceTarget resolves an outbound connection of the workload src to
+// orig (whose workload is dst, or nil): to a service VIP (the service of
+// src's namespace where several share it), an endpoint chosen for src
+// (the target address and its workload), or the original destination
+// itself for a PASSTHROUGH service; anything else as it is. It fails for
+// a service without an endpoint for src (errNoEndpoint; under STRICT
+// load balancing, none in src's locality), and for an endpoint known only
+// by a DNS name (an *unresolvedError: meshtun does not resolve it, and
+// the VIP itself must not be dialled in its place).
+func serviceTarget(snap *registry.Snapshot, orig netip.AddrPort, src, dst *registry.Workload) (svc *registry.Service, target netip.AddrPort, to *registry.Workload, err error) {
+	svc, port := snap.ServiceFor(orig, src.Namespace)
 	if svc == nil || svc.Passthrough {
-		return svc, orig, dst, true
+		return svc, orig, dst, nil
 	}
-	ep, ok := svc.Pick(orig.Addr(), node)
-	if !ok {
-		return svc, orig, nil, false
+	ep, ok := svc.Pick(orig.Addr(), src)
+	switch {
+	case !ok:
+		return svc, orig, nil, errNoEndpoint
+	case ep.Unresolved():
+		return svc, orig, ep.Workload, &unresolvedError{svc: svc, w: ep.Workload}
 	}
-	return svc, netip.AddrPortFrom(ep.Addr, port.Target()), ep.Workload, true
+	return svc, netip.AddrPortFrom(ep.Addr, port.Target()), ep.Workload, nil
 }
 
 // uncertified reports whether w is a local workload that should hold a

@@ -231,6 +231,8 @@ func responseFlags(err error) string {
 		return "TLS_FAILURE"
 	case errors.Is(err, errNoEndpoint):
 		return "UH"
+	case errors.As(err, new(*unresolvedError)):
+		return "DF"
 	case errors.Is(err, errDraining):
 		return "DRAIN"
 	}
@@ -253,6 +255,20 @@ type noCertificateError struct{ w *registry.Workload }
 
 func (e *noCertificateError) Error() string {
 	return fmt.Sprintf("workload %s has no certificate (identity %s not issued yet): its mesh connections are refused until it has one", e.w, e.w.Identity)
+}
+
+// unresolvedError refuses a connection to a service whose chosen
+// endpoint has no address, only a DNS name (an Istio ServiceEntry with
+// resolution DNS): meshtun does not resolve it, and passing the
+// connection on to the VIP instead could reach a mesh destination in
+// plaintext.
+type unresolvedError struct {
+	svc *registry.Service
+	w   *registry.Workload
+}
+
+func (e *unresolvedError) Error() string {
+	return fmt.Sprintf("service %s (%s): endpoint %s is known only by its DNS name %q (a ServiceEntry with resolution DNS), which meshtun does not resolve: connection refused", e.svc, e.svc.Hostname, e.w, e.w.Hostname)
 }
 
 var (

@@ -1,6 +1,9 @@
 package proxy
 
 import (
+	"strings"
+
+	"gvisor.dev/gvisor/pkg/tcpip/header"
 	"net/netip"
 	"testing"
 
@@ -43,13 +46,107 @@ func TestServiceTargetPassthrough(t *testing.T) {
 		{"198.18.2.20:8080", true, "198.18.2.20:8080", "default/web"},
 	} {
 		orig := netip.MustParseAddrPort(c.dst)
-		_, target, w, ok := serviceTarget(snap, orig, snap.Workload(orig.Addr()), "n1")
+		client := &registry.Workload{Name: "client", Namespace: "default", Node: "n1"}
+		_, target, w, err := serviceTarget(snap, orig, client, snap.Workload(orig.Addr()))
+		ok := err == nil
 		to := ""
 		if w != nil {
 			to = w.String()
 		}
 		if ok != c.ok || ok && (target.String() != c.target || to != c.to) {
 			t.Errorf("%s: target %s workload %v ok %v, want %s %v %v", c.dst, target, to, ok, c.target, c.to, c.ok)
+		}
+	}
+}
+
+// TestServiceLoadBalancingOnStack: through the proxy, a local client's
+// connections to a service's VIP go where istiod's load balancing says:
+// STRICT on NODE (internalTrafficPolicy: Local) to the endpoint on the
+// client's node, and reset without one there (response_flags UH);
+// FAILOVER by zone to the client's zone; where ServiceEntries of two
+// namespaces share a VIP, to the endpoint of the client's namespace's; an
+// endpoint known only by a DNS name is reset (response_flags DF, the
+// hostname in the error), and nothing is dialled for it.
+func TestServiceLoadBalancingOnStack(t *testing.T) {
+	remote := &registry.Workload{Name: "remote", Namespace: "default", Node: "n2", InMesh: true,
+		Addresses: []netip.Addr{netip.MustParseAddr("198.18.2.30")}, Labels: map[string]string{"app": "web"},
+		Locality: registry.Locality{Region: "r", Zone: "z2"}}
+	local := &registry.Workload{Name: "local-web", Namespace: "default", Node: "n1", InMesh: true,
+		Addresses: []netip.Addr{netip.MustParseAddr("198.18.1.30")}, Labels: map[string]string{"app": "web"},
+		Locality: registry.Locality{Region: "r", Zone: "z1"}}
+	other := &registry.Workload{Name: "other-ns", Namespace: "other", Node: "n1", InMesh: true,
+		Addresses: []netip.Addr{netip.MustParseAddr("198.18.1.31")}}
+	ext := &registry.Workload{Name: "ext", Namespace: "default", Hostname: "db.example.com"}
+	e := newStackEnv(t, remote, local, other, ext)
+	snap := e.p.cfg.Registry.Load()
+	vip := func(s string) []netip.Addr { return []netip.Addr{netip.MustParseAddr(s)} }
+	m := registry.Model{TrustDomain: testTD, Workloads: snap.Workloads, Services: []*registry.Service{
+		{Name: "local-only", Namespace: "default", VIPs: vip("198.19.0.1"), Ports: []registry.ServicePort{{Port: 80, TargetPort: 8080}},
+			Workloads: []registry.WorkloadRef{{Namespace: "default", Name: "remote"}, {Namespace: "default", Name: "local-web"}},
+			LB:        registry.LoadBalancing{Mode: registry.LBStrict, Scopes: []registry.Scope{registry.ScopeNode}}},
+		{Name: "remote-only", Namespace: "default", VIPs: vip("198.19.0.2"), Ports: []registry.ServicePort{{Port: 80, TargetPort: 8080}},
+			Workloads: []registry.WorkloadRef{{Namespace: "default", Name: "remote"}},
+			LB:        registry.LoadBalancing{Mode: registry.LBStrict, Scopes: []registry.Scope{registry.ScopeNode}}},
+		{Name: "close", Namespace: "default", VIPs: vip("198.19.0.3"), Ports: []registry.ServicePort{{Port: 80, TargetPort: 8080}},
+			Workloads: []registry.WorkloadRef{{Namespace: "default", Name: "remote"}, {Namespace: "default", Name: "local-web"}},
+			LB: registry.LoadBalancing{Mode: registry.LBFailover,
+				Scopes: []registry.Scope{registry.ScopeNetwork, registry.ScopeRegion, registry.ScopeZone}}},
+		{Name: "se", Namespace: "other", Hostname: "shared.example.com", VIPs: vip("198.19.0.4"), Ports: []registry.ServicePort{{Port: 80, TargetPort: 8080}},
+			Workloads: []registry.WorkloadRef{{Namespace: "other", Name: "other-ns"}}},
+		{Name: "se", Namespace: "default", Hostname: "shared.example.com", VIPs: vip("198.19.0.4"), Ports: []registry.ServicePort{{Port: 80, TargetPort: 8080}},
+			Workloads: []registry.WorkloadRef{{Namespace: "default", Name: "local-web"}}},
+		{Name: "dns", Namespace: "default", Hostname: "db.example.com", VIPs: vip("198.19.0.5"), Ports: []registry.ServicePort{{Port: 5432}},
+			Workloads: []registry.WorkloadRef{{Namespace: "default", Name: "ext"}}},
+	}}
+	// The client's locality: zone z1 (local-web's).
+	for i, w := range m.Workloads {
+		if w.Name == "client" {
+			c := *w
+			c.Locality = registry.Locality{Region: "r", Zone: "z1"}
+			m.Workloads[i] = &c
+		}
+	}
+	snap, err := registry.Build(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.p.cfg.Registry.Store(snap)
+	port := uint16(42000)
+	for _, c := range []struct {
+		what, vip string
+		dial      string // the address dialled, or "" for a reset
+		flags     string
+		errHas    string
+	}{
+		{"STRICT node: the local endpoint", "198.19.0.1:80", "198.18.1.30:8080", "", ""},
+		{"STRICT node: none on this node", "198.19.0.2:80", "", "UH", "no healthy endpoint"},
+		{"FAILOVER zone: the client's zone", "198.19.0.3:80", "198.18.1.30:8080", "", ""},
+		{"shared VIP: the client's namespace's", "198.19.0.4:80", "198.18.1.30:8080", "", ""},
+		{"hostname-only endpoint", "198.19.0.5:5432", "", "DF", `DNS name "db.example.com"`},
+	} {
+		for range 5 { // several picks: a random choice would show
+			port++
+			from := netip.AddrPortFrom(client11, port)
+			to := netip.MustParseAddrPort(c.vip)
+			e.send(t, syn(from, to))
+			s, ok := e.dev.next(t, func(s segment) bool {
+				return s.dst == from || s.flags == header.TCPFlagSyn && s.dst != from
+			})
+			switch {
+			case !ok:
+				t.Fatalf("%s: no answer to the SYN", c.what)
+			case c.dial != "" && s.dst.String() != c.dial:
+				t.Fatalf("%s: got %v to %s, want a SYN to %s", c.what, s.flags, s.dst, c.dial)
+			case c.dial == "" && (s.dst != from || !s.flags.Contains(header.TCPFlagRst)):
+				t.Fatalf("%s: got %v to %s, want a reset to the client", c.what, s.flags, s.dst)
+			}
+			if c.dial != "" {
+				continue
+			}
+			rec := e.access.waitLine(t, func(l map[string]any) bool { return l["src.addr"] == from.String() })
+			if err, _ := rec["error"].(string); rec["response_flags"] != c.flags || !strings.Contains(err, c.errHas) {
+				t.Fatalf("%s: access log %v, want response_flags %s and an error with %q", c.what, rec, c.flags, c.errHas)
+			}
 		}
 	}
 }
