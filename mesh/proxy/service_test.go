@@ -66,7 +66,8 @@ func TestServiceTargetPassthrough(t *testing.T) {
 // FAILOVER by zone to the client's zone; where ServiceEntries of two
 // namespaces share a VIP, to the endpoint of the client's namespace's; an
 // endpoint known only by a DNS name is reset (response_flags DF, the
-// hostname in the error), and nothing is dialled for it.
+// hostname in the error), and nothing is dialled for it; an address in a
+// service's VIP range goes to its endpoint.
 func TestServiceLoadBalancingOnStack(t *testing.T) {
 	remote := &registry.Workload{Name: "remote", Namespace: "default", Node: "n2", InMesh: true,
 		Addresses: []netip.Addr{netip.MustParseAddr("198.18.2.30")}, Labels: map[string]string{"app": "web"},
@@ -95,6 +96,8 @@ func TestServiceLoadBalancingOnStack(t *testing.T) {
 			Workloads: []registry.WorkloadRef{{Namespace: "other", Name: "other-ns"}}},
 		{Name: "se", Namespace: "default", Hostname: "shared.example.com", VIPs: vip("198.19.0.4"), Ports: []registry.ServicePort{{Port: 80, TargetPort: 8080}},
 			Workloads: []registry.WorkloadRef{{Namespace: "default", Name: "local-web"}}},
+		{Name: "range", Namespace: "default", CIDRs: []netip.Prefix{netip.MustParsePrefix("198.19.8.0/24")},
+			Ports: []registry.ServicePort{{Port: 80, TargetPort: 8080}}, Workloads: []registry.WorkloadRef{{Namespace: "default", Name: "local-web"}}},
 		{Name: "dns", Namespace: "default", Hostname: "db.example.com", VIPs: vip("198.19.0.5"), Ports: []registry.ServicePort{{Port: 5432}},
 			Workloads: []registry.WorkloadRef{{Namespace: "default", Name: "ext"}}},
 	}}
@@ -122,6 +125,7 @@ func TestServiceLoadBalancingOnStack(t *testing.T) {
 		{"STRICT node: none on this node", "198.19.0.2:80", "", "UH", "no healthy endpoint"},
 		{"FAILOVER zone: the client's zone", "198.19.0.3:80", "198.18.1.30:8080", "", ""},
 		{"shared VIP: the client's namespace's", "198.19.0.4:80", "198.18.1.30:8080", "", ""},
+		{"VIP range", "198.19.8.77:80", "198.18.1.30:8080", "", ""},
 		{"hostname-only endpoint", "198.19.0.5:5432", "", "DF", `DNS name "db.example.com"`},
 	} {
 		for range 5 { // several picks: a random choice would show

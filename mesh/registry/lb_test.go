@@ -234,3 +234,52 @@ func TestSharedVIP(t *testing.T) {
 		t.Errorf("Resolve conflicts = %v, want a/y left out for a/db", cs)
 	}
 }
+
+// TestCIDRVIPs: an address in a service's VIP range is the service's,
+// unless it is a workload's address or another service's VIP; ranked as
+// ztunnel ranks them: the client's namespace first, then the longest
+// prefix, then canonical.
+func TestCIDRVIPs(t *testing.T) {
+	pfx := func(s string) []netip.Prefix { return []netip.Prefix{netip.MustParsePrefix(s)} }
+	m := Model{TrustDomain: td,
+		Workloads: []*Workload{{Name: "pod", Namespace: "a", Addresses: addrs("240.1.0.7")}},
+		Services: []*Service{
+			{Name: "wide", Namespace: "a", CIDRs: pfx("240.1.0.0/16"), Ports: []ServicePort{{Port: 443}}},
+			{Name: "narrow", Namespace: "b", CIDRs: pfx("240.1.2.0/24"), Ports: []ServicePort{{Port: 443}}},
+			{Name: "narrow-canonical", Namespace: "c", CIDRs: pfx("240.1.2.0/24"), Ports: []ServicePort{{Port: 443}}, Canonical: true},
+			{Name: "vip", Namespace: "b", VIPs: addrs("240.1.2.9"), Ports: []ServicePort{{Port: 443}}},
+			{Name: "v6", Namespace: "a", CIDRs: pfx("2001:db8::/64"), Ports: []ServicePort{{Port: 80}}},
+		}}
+	m2, cs := Resolve(m)
+	if len(cs) != 0 {
+		t.Fatalf("Resolve: %v", cs)
+	}
+	s := mustBuild(t, m2)
+	for _, tt := range []struct{ dst, ns, want string }{
+		{"240.1.5.5:443", "z", "a/wide"},
+		{"240.1.2.5:443", "z", "c/narrow-canonical"}, // longest, then canonical
+		{"240.1.2.5:443", "b", "b/narrow"},
+		{"240.1.2.5:443", "a", "a/wide"}, // the client's namespace before the longer prefix
+		{"240.1.2.9:443", "a", "b/vip"},  // a VIP before any range
+		{"240.1.0.7:443", "a", ""},       // a workload's address
+		{"240.1.5.5:444", "a", ""},       // a port the service does not have
+		{"240.2.0.1:443", "a", ""},
+		{"[2001:db8::5]:80", "z", "a/v6"},
+		{"[::ffff:240.1.5.5]:443", "z", "a/wide"},
+	} {
+		got, port := s.ServiceFor(netip.MustParseAddrPort(tt.dst), tt.ns)
+		name := ""
+		if got != nil {
+			name = got.String()
+			if port == nil {
+				t.Errorf("ServiceFor(%s, %s): no port", tt.dst, tt.ns)
+			}
+		}
+		if name != tt.want {
+			t.Errorf("ServiceFor(%s, %s) = %q, want %q", tt.dst, tt.ns, name, tt.want)
+		}
+	}
+	if _, err := Build(Model{TrustDomain: td, Services: []*Service{{Name: "x", Namespace: "a", CIDRs: []netip.Prefix{netip.MustParsePrefix("10.0.0.1/8")}}}}); err == nil {
+		t.Error("Build accepted an unmasked range")
+	}
+}

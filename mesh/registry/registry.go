@@ -15,6 +15,7 @@ package registry
 import (
 	"fmt"
 	"net/netip"
+	"slices"
 	"sync/atomic"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
@@ -240,7 +241,11 @@ type Service struct {
 	// Build fills in <name>.<namespace>.svc.<domain suffix> when empty.
 	Hostname string
 	// VIPs are the service's virtual addresses, IPv4 and IPv6.
-	VIPs  []netip.Addr
+	VIPs []netip.Addr
+	// CIDRs are virtual address ranges of the service (an Istio
+	// ServiceEntry address with a prefix): a connection to an address in
+	// one that is no workload's and no VIP's is the service's (ServiceFor).
+	CIDRs []netip.Prefix
 	Ports []ServicePort
 	// Selector selects the endpoints among the workloads of the service's
 	// namespace by label. When it is empty, Workloads lists them.
@@ -328,6 +333,13 @@ type Snapshot struct {
 	// several services (of different namespaces) have; svcByVIP and
 	// svcByDest hold the one for clients of none of their namespaces.
 	shared map[netip.Addr][]*Service
+	// cidrs are the services' VIP ranges, longest prefix first.
+	cidrs []cidrService
+}
+
+type cidrService struct {
+	p   netip.Prefix
+	svc *Service
 }
 
 type svcPort struct {
@@ -460,6 +472,7 @@ func Build(m Model) (*Snapshot, error) {
 			return nil, fmt.Errorf("registry: service %s: %w", &svc, err)
 		}
 	}
+	slices.SortStableFunc(s.cidrs, func(a, b cidrService) int { return b.p.Bits() - a.p.Bits() })
 	for _, vip := range order {
 		list := vips[vip]
 		def := list[0]
@@ -530,6 +543,12 @@ func (s *Snapshot) addService(svc *Service, suffix string, byNS map[string][]*Wo
 			*order = append(*order, vip)
 		}
 		vips[vip] = append(vips[vip], svc)
+	}
+	for _, p := range svc.CIDRs {
+		if !p.IsValid() || p != p.Masked() || p.Addr().Is4In6() {
+			return fmt.Errorf("invalid VIP range %s", p)
+		}
+		s.cidrs = append(s.cidrs, cidrService{p, svc})
 	}
 	if svc.PreferSameNode && svc.LB.Mode == LBAny {
 		svc.LB = LoadBalancing{Mode: LBFailover, Scopes: sameNode}
@@ -615,23 +634,63 @@ func (s *Snapshot) Service(dst netip.AddrPort) (*Service, *ServicePort) {
 // ServiceFor is Service for a client of namespace ns: where several
 // services (of different namespaces, e.g. ServiceEntries) share the VIP,
 // the one of ns if there is one (as ztunnel chooses), else the canonical
-// one, else the first in model order. It does not allocate.
+// one, else the first in model order. An address that is no VIP and no
+// workload's may be in a service's VIP range (Service.CIDRs). As with
+// Service, a service without dst's port is nil, nil. It does not
+// allocate.
 func (s *Snapshot) ServiceFor(dst netip.AddrPort, ns string) (*Service, *ServicePort) {
 	if s.shared != nil {
 		if list, ok := s.shared[dst.Addr().Unmap()]; ok {
 			for _, svc := range list {
 				if svc.Namespace == ns {
-					for i := range svc.Ports {
-						if svc.Ports[i].Port == dst.Port() {
-							return svc, &svc.Ports[i]
-						}
-					}
-					return nil, nil
+					return svc.withPort(dst.Port())
 				}
 			}
 		}
 	}
+	if len(s.cidrs) > 0 && dst.Addr().IsValid() {
+		if _, vip := s.svcByVIP.get(dst.Addr(), 0); !vip && s.Workload(dst.Addr()) == nil {
+			return s.serviceByCIDR(dst, ns)
+		}
+	}
 	return s.Service(dst)
+}
+
+// serviceByCIDR finds the service of a VIP range that holds dst's
+// address, as ztunnel ranks them: one of namespace ns first, then the
+// longest prefix, then a canonical one, then model order.
+func (s *Snapshot) serviceByCIDR(dst netip.AddrPort, ns string) (*Service, *ServicePort) {
+	a := dst.Addr().Unmap()
+	var best *Service
+	var bestNS, bestCanon bool
+	bestBits := -1
+	for _, c := range s.cidrs {
+		if !c.p.Contains(a) {
+			continue
+		}
+		inNS := c.svc.Namespace == ns
+		switch {
+		case best == nil,
+			inNS && !bestNS,
+			inNS == bestNS && c.p.Bits() > bestBits,
+			inNS == bestNS && c.p.Bits() == bestBits && c.svc.Canonical && !bestCanon:
+			best, bestNS, bestBits, bestCanon = c.svc, inNS, c.p.Bits(), c.svc.Canonical
+		}
+	}
+	if best == nil {
+		return nil, nil
+	}
+	return best.withPort(dst.Port())
+}
+
+// withPort returns s and its port p, or nil, nil if s has no port p.
+func (s *Service) withPort(p uint16) (*Service, *ServicePort) {
+	for i := range s.Ports {
+		if s.Ports[i].Port == p {
+			return s, &s.Ports[i]
+		}
+	}
+	return nil, nil
 }
 
 // ServicesByVIP returns the services with virtual address a: one, or

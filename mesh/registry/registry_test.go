@@ -517,7 +517,8 @@ func TestLookupsDoNotAllocate(t *testing.T) {
 			svc, _ := s.Service(vip)
 			svc.Pick(vip.Addr(), from)
 		},
-		"Authorize": func() { s.Authorize(&r) },
+		"Authorize":  func() { s.Authorize(&r) },
+		"ServiceFor": func() { s.ServiceFor(vip, "ns-54") },
 	} {
 		if n := testing.AllocsPerRun(1000, f); n != 0 {
 			t.Errorf("%s allocates %v times per call", name, n)

@@ -170,6 +170,10 @@ func Resolve(m Model) (Model, []Conflict) {
 			drop(r)
 			continue
 		}
+		if r := badCIDRs(in.CIDRs); r != "" {
+			drop(r)
+			continue
+		}
 		var vips []netip.Addr
 		var lost []string
 		for _, v := range in.VIPs {
@@ -236,6 +240,15 @@ func badPorts(ps []ServicePort) string {
 			if ps[j].Port == ps[i].Port {
 				return fmt.Sprintf("port %d listed twice", ps[i].Port)
 			}
+		}
+	}
+	return ""
+}
+
+func badCIDRs(ps []netip.Prefix) string {
+	for _, p := range ps {
+		if !p.IsValid() || p != p.Masked() || p.Addr().Is4In6() {
+			return fmt.Sprintf("invalid VIP range %s", p)
 		}
 	}
 	return ""

@@ -189,12 +189,20 @@ func (c *converter) service(in *workloadapi.Service) (*service, error) {
 		if !ok {
 			return nil, fmt.Errorf("service %s: addresses[%d] is %d bytes, not an IPv4 or IPv6 address", key, i, len(na.Address))
 		}
-		if na.Length != nil && int(*na.Length) != a.Unmap().BitLen() {
-			return nil, fmt.Errorf("service %s: addresses[%d] is a /%d range; only single VIPs are supported", key, i, *na.Length)
+		a = a.Unmap()
+		if na.Length != nil && int(*na.Length) != a.BitLen() {
+			// A VIP range: connections to any of its addresses (that
+			// is no workload's or VIP) are the service's.
+			p, err := a.Prefix(int(*na.Length))
+			if err != nil || int(*na.Length) > a.BitLen() {
+				return nil, fmt.Errorf("service %s: addresses[%d] %s/%d is not a valid range", key, i, a, *na.Length)
+			}
+			s.CIDRs = append(s.CIDRs, p)
+			continue
 		}
-		s.VIPs = append(s.VIPs, a.Unmap())
+		s.VIPs = append(s.VIPs, a)
 	}
-	if len(s.VIPs) == 0 {
+	if len(s.VIPs)+len(s.CIDRs) == 0 {
 		return nil, nil
 	}
 	out := &service{s: s, key: key}

@@ -1,6 +1,7 @@
 package xds
 
 import (
+	"fmt"
 	"net/netip"
 	"strings"
 	"testing"
@@ -157,5 +158,32 @@ func TestServicesAsIstiodSendsThem(t *testing.T) {
 	sa, _ := snap.ServiceFor(netip.MustParseAddrPort("240.240.0.1:443"), "ns-a")
 	if e, ok := sa.Pick(netip.MustParseAddr("240.240.0.1"), from); !ok || !e.Unresolved() || e.Workload.Hostname != "db.example.com" {
 		t.Errorf("DNS ServiceEntry endpoint: %+v, %v; want db.example.com, unresolved", e, ok)
+	}
+}
+
+// TestServiceCIDRVIP: a ServiceEntry address with a prefix length is a
+// VIP range of the service (NACKed before); a length beyond the
+// address's is refused.
+func TestServiceCIDRVIP(t *testing.T) {
+	c := &converter{td: spiffeid.RequireTrustDomainFromString("cluster.local")}
+	l := func(n uint32) *uint32 { return &n }
+	in := &workloadapi.Service{Name: "r", Namespace: "default", Hostname: "r.example.com",
+		Addresses: []*workloadapi.NetworkAddress{
+			{Address: netip.MustParseAddr("240.10.0.0").AsSlice(), Length: l(16)},
+			{Address: netip.MustParseAddr("240.11.0.1").AsSlice(), Length: l(32)},
+			{Address: netip.MustParseAddr("2001:db8::").AsSlice(), Length: l(64)},
+		},
+		Ports: []*workloadapi.Port{{ServicePort: 443, TargetPort: 443}}}
+	out, err := c.service(in)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := fmt.Sprint(out.s.VIPs, out.s.CIDRs); got != "[240.11.0.1] [240.10.0.0/16 2001:db8::/64]" {
+		t.Errorf("VIPs, CIDRs = %s", got)
+	}
+	in.Addresses = in.Addresses[:1]
+	in.Addresses[0].Length = l(33)
+	if _, err := c.service(in); err == nil || !strings.Contains(err.Error(), "240.10.0.0/33 is not a valid range") {
+		t.Errorf("/33: err = %v", err)
 	}
 }
