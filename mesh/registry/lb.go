@@ -1,6 +1,9 @@
 package registry
 
-import "sort"
+import (
+	"net/netip"
+	"sort"
+)
 
 // Locality is where a workload runs: Kubernetes' topology.kubernetes.io/
 // region and zone labels and Istio's subzone. Empty fields are equal to
@@ -179,4 +182,24 @@ func (s *Service) pickFrom(set *endpointSet, from *Workload, rnd func(uint64) ui
 		return Endpoint{}, false
 	}
 	return list[chosen], true
+}
+
+// Families returns an address of each family the service has VIPs (or
+// VIP ranges) of, for Endpoints.
+func (s *Service) Families() []netip.Addr {
+	var v4, v6 bool
+	for _, a := range s.VIPs {
+		v4, v6 = v4 || a.Unmap().Is4(), v6 || !a.Unmap().Is4()
+	}
+	for _, p := range s.CIDRs {
+		v4, v6 = v4 || p.Addr().Is4(), v6 || !p.Addr().Is4()
+	}
+	var out []netip.Addr
+	if v4 {
+		out = append(out, netip.IPv4Unspecified())
+	}
+	if v6 {
+		out = append(out, netip.IPv6Unspecified())
+	}
+	return out
 }
