@@ -704,11 +704,10 @@ func TestIstiod(t *testing.T) {
 		}
 	})
 
-	t.Run("a service meshtun cannot apply is NACKed, the rest applies", func(t *testing.T) {
-		mark := m1.Len()
+	t.Run("services: internalTrafficPolicy Local reaches its node's endpoints only", func(t *testing.T) {
 		// internalTrafficPolicy: Local is istiod's load balancing mode
-		// STRICT on NODE, which meshtun does not do: refused. The other
-		// service, created after it, applies.
+		// STRICT on NODE: apps/later (node 2) is the endpoint for clients
+		// of node 2, and clients of node 1 have none (reset, UH).
 		local := corev1.ServiceInternalTrafficPolicyLocal
 		for _, svc := range []*corev1.Service{
 			{ObjectMeta: metav1.ObjectMeta{Name: "local-only"}, Spec: corev1.ServiceSpec{
@@ -724,10 +723,44 @@ func TestIstiod(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		l := waitLog(t, m1, mark, "NACK of the local-only service", func(l noderun.Line) bool {
-			return l.Str("message") == "NACK" && strings.Contains(l.Str("error"), "apps/local-only.apps.svc.cluster.local") && strings.Contains(l.Str("error"), "STRICT")
+		lo, err := cp.Admin.CoreV1().Services("apps").Get(ctx, "local-only", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		vip := netip.AddrPortFrom(netip.MustParseAddr(lo.Spec.ClusterIP), 80)
+		// Node 2's client (apps/server) reaches apps/later, on its node.
+		until(t, "local-only from node 2", func() netip.AddrPort {
+			src := roundTripMaybe(p21, vip)
+			if !src.IsValid() {
+				return src
+			}
+			if l, ok := accessLog(m2, src); !ok || l.Str("dst.service") != "local-only.apps.svc.cluster.local" ||
+				l.Str("dst.identity") != spiffe("apps", "later") || l.Str("route") != "local" {
+				return netip.AddrPort{}
+			}
+			return src
 		})
-		t.Logf("NACK: %s", l.Str("error"))
+		// Node 1's client gets a reset, and node 1 says why.
+		refusedUH := func(l noderun.Line) bool {
+			return l.Str("message") == "connection refused" && l.Str("dst.addr") == vip.String() &&
+				l.Str("response_flags") == "UH" && l.Str("dst.service") == "local-only.apps.svc.cluster.local"
+		}
+		deadline := time.Now().Add(30 * time.Second)
+		for !hasLine(m1, refusedUH) {
+			if src := roundTripMaybe(p11, vip); src.IsValid() {
+				l, _ := accessLog(m1, src)
+				t.Fatalf("node 1's client reached the local-only service (node 2's endpoint only): %v", l)
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("node 1 logged no UH refusal for %s within 30s:\n%s", vip, m1.Logs())
+			}
+			time.Sleep(200 * time.Millisecond)
+		}
+		if hasLine(m1, func(l noderun.Line) bool {
+			return l.Str("message") == "NACK" && strings.Contains(l.Str("error"), "local-only")
+		}) {
+			t.Error("node 1 NACKed the local-only service")
+		}
 		web, err := cp.Admin.CoreV1().Services("apps").Get(ctx, "web", metav1.GetOptions{})
 		if err != nil {
 			t.Fatal(err)
