@@ -259,17 +259,24 @@ func (e *noCertificateError) Error() string {
 
 // unresolvedError refuses a connection to a service whose chosen
 // endpoint has no address, only a DNS name (an Istio ServiceEntry with
-// resolution DNS): meshtun does not resolve it, and passing the
-// connection on to the VIP instead could reach a mesh destination in
-// plaintext.
+// resolution DNS), that could not be resolved to an address meshtun may
+// send to: passing the connection on to the VIP instead could reach a
+// mesh destination in plaintext.
 type unresolvedError struct {
 	svc *registry.Service
 	w   *registry.Workload
+	err error // why it could not be resolved
 }
 
 func (e *unresolvedError) Error() string {
-	return fmt.Sprintf("service %s (%s): endpoint %s is known only by its DNS name %q (a ServiceEntry with resolution DNS), which meshtun does not resolve: connection refused", e.svc, e.svc.Hostname, e.w, e.w.Hostname)
+	why := "not resolved"
+	if e.err != nil {
+		why = e.err.Error()
+	}
+	return fmt.Sprintf("service %s (%s): endpoint %s is known by its DNS name %q (a ServiceEntry with resolution DNS): %s; connection refused", e.svc, e.svc.Hostname, e.w, e.w.Hostname, why)
 }
+
+func (e *unresolvedError) Unwrap() error { return e.err }
 
 var (
 	errNoEndpoint = errors.New("no healthy endpoint for the service")
