@@ -125,8 +125,8 @@ func (w *Workload) weight() uint64 {
 }
 
 // Unresolved reports whether the endpoint has no address, only a DNS
-// name (Workload.Hostname): meshtun does not resolve it, and a connection
-// given this endpoint must be refused.
+// name (Workload.Hostname): a connection given this endpoint must resolve
+// the name, or be refused; never go to the VIP in its place.
 func (e Endpoint) Unresolved() bool { return !e.Addr.IsValid() }
 
 // noSource stands for a client that is no workload: nothing of its

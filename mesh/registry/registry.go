@@ -87,9 +87,9 @@ type Workload struct {
 	// connections (among endpoints of equal rank); 0 means 1.
 	Capacity uint32
 	// Hostname, for a workload without addresses, is the DNS name it is
-	// reached by (an Istio ServiceEntry with resolution DNS). meshtun does
-	// not resolve it: a service connection given such an endpoint is
-	// refused (Endpoint.Unresolved).
+	// reached by (an Istio ServiceEntry with resolution DNS). The proxy
+	// resolves it when a service connection is given such an endpoint
+	// (Endpoint.Unresolved), and refuses the connection if it cannot.
 	Hostname string
 	// Refused, when not empty, says why the node proxy refuses this
 	// workload (a category: "waypoint", "network", …): the control plane

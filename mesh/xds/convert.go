@@ -139,7 +139,7 @@ func (c *converter) workload(in *workloadapi.Workload) (*workload, error) {
 	}
 	if len(w.Addresses) == 0 {
 		// A ServiceEntry endpoint of resolution DNS: reached by name.
-		// meshtun does not resolve it; a connection given it is refused.
+		// The proxy resolves it on demand, as ztunnel does.
 		w.Hostname = in.Hostname
 	}
 	// Capacity 0: no share of its services' connections (ztunnel never
