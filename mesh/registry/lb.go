@@ -133,7 +133,7 @@ func (e Endpoint) Unresolved() bool { return !e.Addr.IsValid() }
 // locality is known.
 var noSource = &Workload{}
 
-// pick chooses an endpoint of set for a connection from the workload
+// pickFrom chooses an endpoint of set for a connection from the workload
 // from: among those of the highest rank (all of them without ranked
 // scopes), at random in proportion to their weights. It does not
 // allocate.
@@ -160,28 +160,35 @@ func (s *Service) pickFrom(set *endpointSet, from *Workload, rnd func(uint64) ui
 	if from == nil {
 		from = noSource
 	}
-	// One pass: the best rank so far, and a weighted reservoir sample
-	// among the endpoints of that rank.
-	best, chosen := -1, -1
+	// Two passes, one random number: the best rank and the total weight
+	// of its endpoints, then the endpoint the number falls on.
+	best := -1
 	var total uint64
 	for i := range list {
 		r, ok := s.LB.rank(from, list[i].Workload)
-		if !ok || r < best {
-			continue
-		}
-		if r > best {
-			best, chosen, total = r, -1, 0
-		}
-		w := list[i].Workload.weight()
-		total += w
-		if rnd(total) < w {
-			chosen = i
+		switch {
+		case !ok || r < best:
+		case r > best:
+			best, total = r, list[i].Workload.weight()
+		default:
+			total += list[i].Workload.weight()
 		}
 	}
-	if chosen < 0 {
+	if best < 0 || total == 0 {
 		return Endpoint{}, false
 	}
-	return list[chosen], true
+	x := rnd(total)
+	for i := range list {
+		if r, ok := s.LB.rank(from, list[i].Workload); !ok || r != best {
+			continue
+		}
+		w := list[i].Workload.weight()
+		if x < w {
+			return list[i], true
+		}
+		x -= w
+	}
+	return Endpoint{}, false // not reached: x < total
 }
 
 // Families returns an address of each family the service has VIPs (or
