@@ -5,11 +5,13 @@
 // reload never stalls traffic.
 //
 // Everything a connection needs is precomputed when a snapshot is built:
-// workloads and services by address, each service's healthy endpoints per
-// address family (and per node, for services that prefer endpoints on the
-// caller's node), and for each workload the authorization policies that
-// apply to it. A lookup is one map access; authorizing a connection is one
-// map access and the evaluation of the workload's own policies.
+// workloads and services by address, each service's endpoints per address
+// family (with their running weights when capacities differ), and for each
+// workload the authorization policies that apply to it. A lookup is one
+// map access; authorizing a connection is one map access and the
+// evaluation of the workload's own policies; picking an endpoint is one
+// random number, plus a pass over the service's endpoints when its
+// routing preferences rank them by locality (lb.go).
 package registry
 
 import (
