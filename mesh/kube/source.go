@@ -532,6 +532,11 @@ func (s *Source) service(svc *corev1.Service, byPod map[registry.WorkloadRef]*re
 		Name: svc.Name, Namespace: svc.Namespace,
 		PreferSameNode: svc.Spec.TrafficDistribution != nil && *svc.Spec.TrafficDistribution == corev1.ServiceTrafficDistributionPreferSameNode,
 	}
+	if p := svc.Spec.InternalTrafficPolicy; p != nil && *p == corev1.ServiceInternalTrafficPolicyLocal {
+		// Only the client's node's endpoints, as kube-proxy and istiod
+		// (STRICT on NODE) do; none there, the connection is refused.
+		rs.LB = registry.LoadBalancing{Mode: registry.LBStrict, Scopes: []registry.Scope{registry.ScopeNode}}
+	}
 	ips := svc.Spec.ClusterIPs
 	if len(ips) == 0 && svc.Spec.ClusterIP != "" {
 		ips = []string{svc.Spec.ClusterIP}

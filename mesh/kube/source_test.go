@@ -15,6 +15,8 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/kubernetes/fake"
+
+	"github.com/meshtun/meshtun/mesh/registry"
 )
 
 func ns(name string, ambient bool) *corev1.Namespace {
@@ -64,7 +66,8 @@ func TestModel(t *testing.T) {
 	svc := &corev1.Service{
 		ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "web"},
 		Spec: corev1.ServiceSpec{ClusterIPs: []string{"198.19.0.10", "fd00:6d74:ffff::10"},
-			Ports: []corev1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromString("http")}}},
+			Ports:                 []corev1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromString("http")}},
+			InternalTrafficPolicy: ptr(corev1.ServiceInternalTrafficPolicyLocal)},
 	}
 	slice := &discoveryv1.EndpointSlice{
 		ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "web-1", Labels: map[string]string{discoveryv1.LabelServiceName: "web"}},
@@ -113,6 +116,9 @@ func TestModel(t *testing.T) {
 	got, port := snap.Service(netip.MustParseAddrPort("[fd00:6d74:ffff::10]:80"))
 	if got == nil || port.Target() != 8080 {
 		t.Fatalf("service: %v %+v, want web with target port 8080 from the named port", got, port)
+	}
+	if got.LB.Mode != registry.LBStrict || len(got.LB.Scopes) != 1 || got.LB.Scopes[0] != registry.ScopeNode {
+		t.Errorf("internalTrafficPolicy Local: LB %+v, want STRICT on NODE", got.LB)
 	}
 	eps := got.Endpoints(netip.MustParseAddr("198.19.0.10"))
 	if len(eps) != 1 || eps[0].Workload.Name != "a" {

@@ -194,6 +194,7 @@ type serviceDump struct {
 	Namespace string                 `json:"namespace"`
 	Hostname  string                 `json:"hostname"`
 	VIPs      []netip.Addr           `json:"vips"`
+	CIDRs     []netip.Prefix         `json:"vipRanges,omitempty"`
 	Ports     []registry.ServicePort `json:"ports"`
 	Endpoints []string               `json:"endpoints"`
 }
@@ -243,10 +244,14 @@ func (n *node) configDump(w http.ResponseWriter, r *http.Request) {
 		d.Workloads = append(d.Workloads, wd)
 	}
 	for _, s := range snap.Services {
-		sd := serviceDump{Name: s.Name, Namespace: s.Namespace, Hostname: s.Hostname, VIPs: s.VIPs, Ports: s.Ports, Endpoints: []string{}}
-		for _, vip := range s.VIPs {
+		sd := serviceDump{Name: s.Name, Namespace: s.Namespace, Hostname: s.Hostname, VIPs: s.VIPs, CIDRs: s.CIDRs, Ports: s.Ports, Endpoints: []string{}}
+		for _, vip := range s.Families() {
 			for _, ep := range s.Endpoints(vip) {
-				sd.Endpoints = append(sd.Endpoints, ep.Workload.String()+"@"+ep.Addr.String())
+				at := ep.Addr.String()
+				if ep.Unresolved() {
+					at = ep.Workload.Hostname + " (unresolved)"
+				}
+				sd.Endpoints = append(sd.Endpoints, ep.Workload.String()+"@"+at)
 			}
 		}
 		d.Services = append(d.Services, sd)

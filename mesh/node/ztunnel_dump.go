@@ -292,6 +292,8 @@ func ztunnelDump(snap *registry.Snapshot, svids *identity.Source) ztDump {
 		for _, vip := range s.VIPs {
 			zs.VIPs = append(zs.VIPs, "/"+vip.String())
 			v4, v6 = v4 || vip.Is4(), v6 || !vip.Is4()
+		}
+		for _, vip := range s.Families() {
 			for _, ep := range s.Endpoints(vip) {
 				uid := ztUID(ep.Workload)
 				if _, seen := zs.Endpoints[uid]; seen {
@@ -321,6 +323,9 @@ func ztunnelDump(snap *registry.Snapshot, svids *identity.Source) ztDump {
 			Name: w.Name, Namespace: w.Namespace, ServiceAccount: w.ServiceAccount,
 			WorkloadName: w.WorkloadName, WorkloadType: w.WorkloadType, Node: w.Node,
 			Status: "Healthy", ClusterID: w.Cluster, Services: svcsOf[w], Capacity: 1}
+		if w.Capacity > 0 {
+			zw.Capacity = int(w.Capacity)
+		}
 		zw.CanonicalName, zw.CanonicalRevision = w.Canonical()
 		if zw.WorkloadIPs == nil {
 			zw.WorkloadIPs = []netip.Addr{}

@@ -22,6 +22,8 @@ package proxy
 import (
 	"context"
 	"errors"
+	"fmt"
+	"math/rand/v2"
 	"net"
 	"net/netip"
 	"sync/atomic"
@@ -84,6 +86,11 @@ type Config struct {
 	// into the TUN like any node traffic, and the classifier lets exactly
 	// these through verbatim instead of capturing them again.
 	Exempt *classify.Exempt
+	// LookupHost resolves the DNS name of a service endpoint that has no
+	// address (an Istio ServiceEntry with resolution DNS), on demand, as
+	// ztunnel does. Nil: the system's resolver, its sockets under
+	// SocketControl.
+	LookupHost func(ctx context.Context, host string) ([]netip.Addr, error)
 }
 
 // Proxy handles intercepted TCP connections.
@@ -182,10 +189,13 @@ func (p *Proxy) outboundFrom(snap *registry.Snapshot, req *stack.TCPRequest, src
 		p.newRecord(req.Src, req.Dst, src, dst, "outbound", "refused").refused(&refusedWorkloadError{src})
 		return
 	}
-	svc, target, dst, ok := serviceTarget(snap, req.Dst, dst, p.cfg.Node)
-	if !ok {
+	svc, target, dst, err := serviceTarget(snap, req.Dst, src, dst)
+	if ue := (*unresolvedError)(nil); errors.As(err, &ue) {
+		target, dst, err = p.resolveEndpoint(snap, ue, req.Dst.Addr(), target.Port())
+	}
+	if err != nil {
 		req.Reject()
-		p.newRecord(req.Src, req.Dst, src, nil, "outbound", "service").via(req.Dst, svc).refused(errNoEndpoint)
+		p.newRecord(req.Src, req.Dst, src, dst, "outbound", "service").via(req.Dst, svc).refused(err)
 		return
 	}
 	switch {
@@ -206,21 +216,98 @@ func (p *Proxy) outboundFrom(snap *registry.Snapshot, req *stack.TCPRequest, src
 	}
 }
 
-// serviceTarget resolves an outbound connection to orig (whose workload
-// is dst, or nil): to a service VIP, an endpoint chosen for node (the
-// target address and its workload), or the original destination itself
-// for a PASSTHROUGH service; anything else as it is. ok is false for a
-// service without an endpoint.
-func serviceTarget(snap *registry.Snapshot, orig netip.AddrPort, dst *registry.Workload, node string) (svc *registry.Service, target netip.AddrPort, to *registry.Workload, ok bool) {
-	svc, port := snap.Service(orig)
+// serviceTarget resolves an outbound connection of the workload src to
+// orig (whose workload is dst, or nil): to a service VIP (the service of
+// src's namespace where several share it), an endpoint chosen for src
+// (the target address and its workload), or the original destination
+// itself for a PASSTHROUGH service; anything else as it is. It fails for
+// a service without an endpoint for src (errNoEndpoint; under STRICT
+// load balancing, none in src's locality), and for an endpoint known only
+// by a DNS name (an *unresolvedError, with the target port: resolveEndpoint
+// resolves it; the VIP itself must never be dialled in its place).
+func serviceTarget(snap *registry.Snapshot, orig netip.AddrPort, src, dst *registry.Workload) (svc *registry.Service, target netip.AddrPort, to *registry.Workload, err error) {
+	svc, port := snap.ServiceFor(orig, src.Namespace)
 	if svc == nil || svc.Passthrough {
-		return svc, orig, dst, true
+		return svc, orig, dst, nil
 	}
-	ep, ok := svc.Pick(orig.Addr(), node)
-	if !ok {
-		return svc, orig, nil, false
+	ep, ok := svc.Pick(orig.Addr(), src)
+	switch {
+	case !ok:
+		return svc, orig, nil, errNoEndpoint
+	case ep.Unresolved():
+		return svc, netip.AddrPortFrom(netip.Addr{}, port.Target()), ep.Workload, &unresolvedError{svc: svc, w: ep.Workload}
 	}
-	return svc, netip.AddrPortFrom(ep.Addr, port.Target()), ep.Workload, true
+	return svc, netip.AddrPortFrom(ep.Addr, port.Target()), ep.Workload, nil
+}
+
+// resolveEndpoint resolves the DNS name of a service endpoint without an
+// address (ue.w.Hostname) on demand, as ztunnel does: an address of
+// vip's family if there is one, at random. The connection goes to that
+// address and port: to the mesh workload that has it if there is one
+// (over HBONE if it is in the mesh), else as the endpoint says (over
+// HBONE to the address if the endpoint is in the mesh, else in
+// plaintext). A lookup that fails, and a name that resolves to a service
+// VIP or range (whose endpoints may be mesh workloads that plaintext must
+// not reach), refuse the connection (an *unresolvedError: DF).
+func (p *Proxy) resolveEndpoint(snap *registry.Snapshot, ue *unresolvedError, vip netip.Addr, port uint16) (netip.AddrPort, *registry.Workload, error) {
+	ctx, cancel := context.WithTimeout(p.ctx, p.cfg.ConnectTimeout)
+	defer cancel()
+	lookup := p.cfg.LookupHost
+	if lookup == nil {
+		lookup = p.lookupHost
+	}
+	addrs, err := lookup(ctx, ue.w.Hostname)
+	if err == nil && len(addrs) == 0 {
+		err = errors.New("no address")
+	}
+	if err != nil {
+		ue.err = fmt.Errorf("DNS lookup of %q: %w", ue.w.Hostname, err)
+		return netip.AddrPort{}, ue.w, ue
+	}
+	same := 0
+	for _, a := range addrs {
+		if a.Unmap().Is4() == vip.Unmap().Is4() {
+			same++
+		}
+	}
+	var a netip.Addr
+	if same > 0 {
+		n := rand.IntN(same)
+		for _, x := range addrs {
+			if x.Unmap().Is4() == vip.Unmap().Is4() {
+				if n == 0 {
+					a = x
+					break
+				}
+				n--
+			}
+		}
+	} else {
+		a = addrs[rand.IntN(len(addrs))]
+	}
+	a = a.Unmap()
+	target := netip.AddrPortFrom(a, port)
+	if svc, _ := snap.ServiceFor(target, ue.w.Namespace); svc != nil || snap.ServiceByVIP(a) != nil {
+		if svc == nil {
+			svc = snap.ServiceByVIP(a)
+		}
+		ue.err = fmt.Errorf("%q resolves to %s, a VIP of service %s: refused (its endpoints could be reached in plaintext)", ue.w.Hostname, a, svc)
+		return netip.AddrPort{}, ue.w, ue
+	}
+	if w := snap.Workload(a); w != nil {
+		return target, w, nil
+	}
+	return target, ue.w, nil
+}
+
+// lookupHost is the default Config.LookupHost: the system's resolver
+// (Go's, so that its sockets take SocketControl like the proxy's own).
+func (p *Proxy) lookupHost(ctx context.Context, host string) ([]netip.Addr, error) {
+	r := &net.Resolver{PreferGo: true, Dial: func(ctx context.Context, network, address string) (net.Conn, error) {
+		d := net.Dialer{Control: p.cfg.SocketControl}
+		return d.DialContext(ctx, network, address)
+	}}
+	return r.LookupNetIP(ctx, "ip", host)
 }
 
 // uncertified reports whether w is a local workload that should hold a

@@ -231,6 +231,8 @@ func responseFlags(err error) string {
 		return "TLS_FAILURE"
 	case errors.Is(err, errNoEndpoint):
 		return "UH"
+	case errors.As(err, new(*unresolvedError)):
+		return "DF"
 	case errors.Is(err, errDraining):
 		return "DRAIN"
 	}
@@ -254,6 +256,27 @@ type noCertificateError struct{ w *registry.Workload }
 func (e *noCertificateError) Error() string {
 	return fmt.Sprintf("workload %s has no certificate (identity %s not issued yet): its mesh connections are refused until it has one", e.w, e.w.Identity)
 }
+
+// unresolvedError refuses a connection to a service whose chosen
+// endpoint has no address, only a DNS name (an Istio ServiceEntry with
+// resolution DNS), that could not be resolved to an address meshtun may
+// send to: passing the connection on to the VIP instead could reach a
+// mesh destination in plaintext.
+type unresolvedError struct {
+	svc *registry.Service
+	w   *registry.Workload
+	err error // why it could not be resolved
+}
+
+func (e *unresolvedError) Error() string {
+	why := "not resolved"
+	if e.err != nil {
+		why = e.err.Error()
+	}
+	return fmt.Sprintf("service %s (%s): endpoint %s is known by its DNS name %q (a ServiceEntry with resolution DNS): %s; connection refused", e.svc, e.svc.Hostname, e.w, e.w.Hostname, why)
+}
+
+func (e *unresolvedError) Unwrap() error { return e.err }
 
 var (
 	errNoEndpoint = errors.New("no healthy endpoint for the service")

@@ -5,16 +5,19 @@
 // reload never stalls traffic.
 //
 // Everything a connection needs is precomputed when a snapshot is built:
-// workloads and services by address, each service's healthy endpoints per
-// address family (and per node, for services that prefer endpoints on the
-// caller's node), and for each workload the authorization policies that
-// apply to it. A lookup is one map access; authorizing a connection is one
-// map access and the evaluation of the workload's own policies.
+// workloads and services by address, each service's endpoints per address
+// family (with their running weights when capacities differ), and for each
+// workload the authorization policies that apply to it. A lookup is one
+// map access; authorizing a connection is one map access and the
+// evaluation of the workload's own policies; picking an endpoint is one
+// random number, plus a pass over the service's endpoints when its
+// routing preferences rank them by locality (lb.go).
 package registry
 
 import (
 	"fmt"
 	"net/netip"
+	"slices"
 	"sync/atomic"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
@@ -79,6 +82,17 @@ type Workload struct {
 	PortPeerAuth map[uint16]PeerAuth
 	// Health decides whether services pick the workload as an endpoint.
 	Health Health
+	// Locality and Cluster (below) are what a service's routing
+	// preferences compare with the client's.
+	Locality Locality
+	// Capacity is the workload's relative share of its services'
+	// connections (among endpoints of equal rank); 0 means 1.
+	Capacity uint32
+	// Hostname, for a workload without addresses, is the DNS name it is
+	// reached by (an Istio ServiceEntry with resolution DNS). The proxy
+	// resolves it when a service connection is given such an endpoint
+	// (Endpoint.Unresolved), and refuses the connection if it cannot.
+	Hostname string
 	// Refused, when not empty, says why the node proxy refuses this
 	// workload (a category: "waypoint", "network", …): the control plane
 	// put it in the mesh with a feature meshtun does not implement. A
@@ -236,7 +250,11 @@ type Service struct {
 	// Build fills in <name>.<namespace>.svc.<domain suffix> when empty.
 	Hostname string
 	// VIPs are the service's virtual addresses, IPv4 and IPv6.
-	VIPs  []netip.Addr
+	VIPs []netip.Addr
+	// CIDRs are virtual address ranges of the service (an Istio
+	// ServiceEntry address with a prefix): a connection to an address in
+	// one that is no workload's and no VIP's is the service's (ServiceFor).
+	CIDRs []netip.Prefix
 	Ports []ServicePort
 	// Selector selects the endpoints among the workloads of the service's
 	// namespace by label. When it is empty, Workloads lists them.
@@ -244,8 +262,18 @@ type Service struct {
 	Workloads []WorkloadRef
 	// PreferSameNode: Pick chooses among the endpoints on the caller's
 	// node when there are any (Kubernetes' trafficDistribution:
-	// PreferSameNode).
+	// PreferSameNode). It is LB FAILOVER on NODE, and Build makes it so
+	// when LB is not set.
 	PreferSameNode bool
+	// LB is how endpoints are chosen by locality (Istio's load_balancing
+	// routing preferences and mode).
+	LB LoadBalancing
+	// AllowUnhealthy: unhealthy workloads are endpoints too (Istio's
+	// health policy ALLOW_ALL, e.g. publishNotReadyAddresses).
+	AllowUnhealthy bool
+	// Canonical: among the services sharing a VIP, this one is chosen for
+	// clients of a namespace none of them is in (Istio's canonical).
+	Canonical bool
 	// Passthrough: no endpoint is chosen; a connection to the service
 	// goes to its original destination (Istio's load-balancing mode
 	// PASSTHROUGH, e.g. a ServiceEntry with resolution NONE).
@@ -255,8 +283,10 @@ type Service struct {
 }
 
 type endpointSet struct {
-	all    []Endpoint
-	byNode map[string][]Endpoint // only with PreferSameNode
+	all []Endpoint
+	// cum is the running sum of the endpoints' weights, when they are
+	// not all 1 (nil: uniform).
+	cum []uint64
 }
 
 func family(a netip.Addr) int {
@@ -269,34 +299,25 @@ func family(a netip.Addr) int {
 // String returns namespace/name.
 func (s *Service) String() string { return s.Namespace + "/" + s.Name }
 
-// Endpoints returns the healthy endpoints of the family of vip. Do not
-// modify the result.
+// Endpoints returns the endpoints of the family of vip: the healthy
+// workloads (all, with AllowUnhealthy) with an address of that family,
+// and the unresolved ones (Endpoint.Unresolved). Do not modify the
+// result.
 func (s *Service) Endpoints(vip netip.Addr) []Endpoint { return s.eps[family(vip)].all }
 
-// Pick chooses an endpoint for a connection to vip from node: at random
-// among the healthy endpoints that have an address of vip's family,
-// restricted to those on node when the service prefers same-node
-// endpoints and node has any. It reports false when there is no endpoint.
-// Pick is safe for concurrent use and does not allocate.
-func (s *Service) Pick(vip netip.Addr, node string) (Endpoint, bool) {
-	return s.pick(vip, node, randN)
+// Pick chooses an endpoint for a connection to vip from the workload
+// from (nil if the client is no workload): among the endpoints of vip's
+// family, those that share the most of the service's routing preferences
+// (LB) with from — only those sharing all of them under LBStrict — and
+// among these at random in proportion to their Capacity. It reports false
+// when there is no endpoint. The endpoint may be Unresolved. Pick is safe
+// for concurrent use and does not allocate.
+func (s *Service) Pick(vip netip.Addr, from *Workload) (Endpoint, bool) {
+	return s.pickFrom(&s.eps[family(vip)], from, randN)
 }
 
-func (s *Service) pick(vip netip.Addr, node string, rnd func(int) int) (Endpoint, bool) {
-	set := &s.eps[family(vip)]
-	list := set.all
-	if set.byNode != nil {
-		if local := set.byNode[node]; len(local) > 0 {
-			list = local
-		}
-	}
-	switch len(list) {
-	case 0:
-		return Endpoint{}, false
-	case 1:
-		return list[0], true
-	}
-	return list[rnd(len(list))], true
+func (s *Service) pick(vip netip.Addr, from *Workload, rnd func(uint64) uint64) (Endpoint, bool) {
+	return s.pickFrom(&s.eps[family(vip)], from, rnd)
 }
 
 // Snapshot is one immutable version of the mesh model. Never modify a
@@ -321,6 +342,17 @@ type Snapshot struct {
 	svcByVIP  *addrTable[*Service] // port 0
 	svcByName map[WorkloadRef]*Service
 	svcByHost map[string]*Service
+	// shared lists, in model order, the services of each VIP that
+	// several services (of different namespaces) have; svcByVIP and
+	// svcByDest hold the one for clients of none of their namespaces.
+	shared map[netip.Addr][]*Service
+	// cidrs are the services' VIP ranges, longest prefix first.
+	cidrs []cidrService
+}
+
+type cidrService struct {
+	p   netip.Prefix
+	svc *Service
 }
 
 type svcPort struct {
@@ -450,16 +482,42 @@ func Build(m Model) (*Snapshot, error) {
 		s.Workloads = append(s.Workloads, wp)
 		byNS[w.Namespace] = append(byNS[w.Namespace], wp)
 	}
+	vips := make(map[netip.Addr][]*Service, nVIPs)
+	var order []netip.Addr
 	for _, in := range m.Services {
 		svc := *in
-		if err := s.addService(&svc, m.DomainSuffix, byNS); err != nil {
+		if err := s.addService(&svc, m.DomainSuffix, byNS, vips, &order); err != nil {
 			return nil, fmt.Errorf("registry: service %s: %w", &svc, err)
+		}
+	}
+	slices.SortStableFunc(s.cidrs, func(a, b cidrService) int { return b.p.Bits() - a.p.Bits() })
+	for _, vip := range order {
+		list := vips[vip]
+		def := list[0]
+		for _, svc := range list {
+			if svc.Canonical {
+				def = svc
+				break
+			}
+		}
+		s.svcByVIP.put(vip, 0, def)
+		for i := range def.Ports {
+			s.svcByDest.put(vip, def.Ports[i].Port, svcPort{def, &def.Ports[i]})
+		}
+		if len(list) > 1 {
+			if s.shared == nil {
+				s.shared = make(map[netip.Addr][]*Service)
+			}
+			s.shared[vip] = list
 		}
 	}
 	return s, nil
 }
 
-func (s *Snapshot) addService(svc *Service, suffix string, byNS map[string][]*Workload) error {
+// sameNode is the routing preference of PreferSameNode.
+var sameNode = []Scope{ScopeNode}
+
+func (s *Snapshot) addService(svc *Service, suffix string, byNS map[string][]*Workload, vips map[netip.Addr][]*Service, order *[]netip.Addr) error {
 	if svc.Name == "" || svc.Namespace == "" {
 		return fmt.Errorf("name and namespace are required")
 	}
@@ -494,13 +552,24 @@ func (s *Snapshot) addService(svc *Service, suffix string, byNS map[string][]*Wo
 		if w, ok := s.byAddr.get(vip, 0); ok {
 			return fmt.Errorf("VIP %s is the address of workload %s", vip, w)
 		}
-		if other, ok := s.svcByVIP.get(vip, 0); ok {
-			return fmt.Errorf("VIP %s is also a VIP of service %s", vip, other)
+		for _, other := range vips[vip] {
+			if other.Namespace == svc.Namespace {
+				return fmt.Errorf("VIP %s is also a VIP of service %s of the same namespace", vip, other)
+			}
 		}
-		s.svcByVIP.put(vip, 0, svc)
-		for i := range svc.Ports {
-			s.svcByDest.put(vip, svc.Ports[i].Port, svcPort{svc, &svc.Ports[i]})
+		if len(vips[vip]) == 0 {
+			*order = append(*order, vip)
 		}
+		vips[vip] = append(vips[vip], svc)
+	}
+	for _, p := range svc.CIDRs {
+		if !p.IsValid() || p != p.Masked() || p.Addr().Is4In6() {
+			return fmt.Errorf("invalid VIP range %s", p)
+		}
+		s.cidrs = append(s.cidrs, cidrService{p, svc})
+	}
+	if svc.PreferSameNode && svc.LB.Mode == LBAny {
+		svc.LB = LoadBalancing{Mode: LBFailover, Scopes: sameNode}
 	}
 	var members []*Workload
 	if len(svc.Selector) > 0 {
@@ -520,23 +589,34 @@ func (s *Snapshot) addService(svc *Service, suffix string, byNS map[string][]*Wo
 	}
 	svc.eps = [2]endpointSet{}
 	for _, w := range members {
-		if w.Health != Healthy {
+		if w.Health != Healthy && !svc.AllowUnhealthy {
 			continue
 		}
 		for f, like := range [2]netip.Addr{netip.IPv4Unspecified(), netip.IPv6Unspecified()} {
 			a, ok := w.Addr(like)
-			if !ok {
+			if !ok && (len(w.Addresses) > 0 || w.Hostname == "") {
 				continue
 			}
-			e := Endpoint{Workload: w, Addr: a}
+			// An endpoint without addresses but with a hostname is one
+			// of either family, unresolved (a zero Addr).
 			set := &svc.eps[f]
-			set.all = append(set.all, e)
-			if svc.PreferSameNode {
-				if set.byNode == nil {
-					set.byNode = make(map[string][]Endpoint)
-				}
-				set.byNode[w.Node] = append(set.byNode[w.Node], e)
-			}
+			set.all = append(set.all, Endpoint{Workload: w, Addr: a})
+		}
+	}
+	for f := range svc.eps {
+		set := &svc.eps[f]
+		uniform := true
+		for _, e := range set.all {
+			uniform = uniform && e.Workload.weight() == 1
+		}
+		if uniform {
+			continue
+		}
+		set.cum = make([]uint64, len(set.all))
+		var sum uint64
+		for i, e := range set.all {
+			sum += e.Workload.weight()
+			set.cum[i] = sum
 		}
 	}
 	s.svcByName[ref] = svc
@@ -569,7 +649,84 @@ func (s *Snapshot) Service(dst netip.AddrPort) (*Service, *ServicePort) {
 	return sp.svc, sp.port
 }
 
-// ServiceByVIP returns the service with virtual address a, or nil.
+// ServiceFor is Service for a client of namespace ns: where several
+// services (of different namespaces, e.g. ServiceEntries) share the VIP,
+// the one of ns if there is one (as ztunnel chooses), else the canonical
+// one, else the first in model order. An address that is no VIP and no
+// workload's may be in a service's VIP range (Service.CIDRs). As with
+// Service, a service without dst's port is nil, nil. It does not
+// allocate.
+func (s *Snapshot) ServiceFor(dst netip.AddrPort, ns string) (*Service, *ServicePort) {
+	if s.shared != nil {
+		if list, ok := s.shared[dst.Addr().Unmap()]; ok {
+			for _, svc := range list {
+				if svc.Namespace == ns {
+					return svc.withPort(dst.Port())
+				}
+			}
+		}
+	}
+	if len(s.cidrs) > 0 && dst.Addr().IsValid() {
+		if _, vip := s.svcByVIP.get(dst.Addr(), 0); !vip && s.Workload(dst.Addr()) == nil {
+			return s.serviceByCIDR(dst, ns)
+		}
+	}
+	return s.Service(dst)
+}
+
+// serviceByCIDR finds the service of a VIP range that holds dst's
+// address, as ztunnel ranks them: one of namespace ns first, then the
+// longest prefix, then a canonical one, then model order.
+func (s *Snapshot) serviceByCIDR(dst netip.AddrPort, ns string) (*Service, *ServicePort) {
+	a := dst.Addr().Unmap()
+	var best *Service
+	var bestNS, bestCanon bool
+	bestBits := -1
+	for _, c := range s.cidrs {
+		if !c.p.Contains(a) {
+			continue
+		}
+		inNS := c.svc.Namespace == ns
+		switch {
+		case best == nil,
+			inNS && !bestNS,
+			inNS == bestNS && c.p.Bits() > bestBits,
+			inNS == bestNS && c.p.Bits() == bestBits && c.svc.Canonical && !bestCanon:
+			best, bestNS, bestBits, bestCanon = c.svc, inNS, c.p.Bits(), c.svc.Canonical
+		}
+	}
+	if best == nil {
+		return nil, nil
+	}
+	return best.withPort(dst.Port())
+}
+
+// withPort returns s and its port p, or nil, nil if s has no port p.
+func (s *Service) withPort(p uint16) (*Service, *ServicePort) {
+	for i := range s.Ports {
+		if s.Ports[i].Port == p {
+			return s, &s.Ports[i]
+		}
+	}
+	return nil, nil
+}
+
+// ServicesByVIP returns the services with virtual address a: one, or
+// several of different namespaces, in model order. Do not modify the
+// result.
+func (s *Snapshot) ServicesByVIP(a netip.Addr) []*Service {
+	if list, ok := s.shared[a.Unmap()]; ok {
+		return list
+	}
+	if svc := s.ServiceByVIP(a); svc != nil {
+		return []*Service{svc}
+	}
+	return nil
+}
+
+// ServiceByVIP returns the service with virtual address a, or nil; where
+// several share it, the one ServiceFor gives a client of none of their
+// namespaces.
 func (s *Snapshot) ServiceByVIP(a netip.Addr) *Service {
 	if !a.IsValid() {
 		return nil

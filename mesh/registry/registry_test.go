@@ -105,7 +105,7 @@ func TestBuildErrors(t *testing.T) {
 		{"dup vip", Model{Services: []*Service{
 			{Name: "s", Namespace: "d", VIPs: addrs("10.1.0.1"), Ports: []ServicePort{{Port: 80}}},
 			{Name: "t", Namespace: "d", VIPs: addrs("10.1.0.1"), Ports: []ServicePort{{Port: 81}}}}},
-			"service d/t: VIP 10.1.0.1 is also a VIP of service d/s"},
+			"service d/t: VIP 10.1.0.1 is also a VIP of service d/s of the same namespace"},
 		{"dup service", Model{Services: []*Service{{Name: "s", Namespace: "d"}, {Name: "s", Namespace: "d"}}},
 			"service d/s: two services with this name"},
 		{"dup port", Model{Services: []*Service{{Name: "s", Namespace: "d", Ports: []ServicePort{{Port: 80}, {Port: 80, TargetPort: 81}}}}},
@@ -200,7 +200,7 @@ func TestServices(t *testing.T) {
 		t.Errorf("explicit endpoints = %s, want %s", got, want)
 	}
 	empty := s.ServiceByName("default", "empty")
-	if e, ok := empty.Pick(netip.MustParseAddr("198.18.100.4"), "n1"); ok {
+	if e, ok := empty.Pick(netip.MustParseAddr("198.18.100.4"), &Workload{Node: "n1"}); ok {
 		t.Errorf("Pick on a service without endpoints = %v", e)
 	}
 	// Endpoints point at the snapshot's workloads.
@@ -236,7 +236,7 @@ func TestPickDistribution(t *testing.T) {
 			svc := s.ServiceByName("default", tt.svc)
 			counts := map[string]int{}
 			for range n {
-				e, ok := svc.Pick(tt.vip, tt.node)
+				e, ok := svc.Pick(tt.vip, &Workload{Node: tt.node})
 				if !ok {
 					t.Fatal("no endpoint")
 				}
@@ -265,11 +265,11 @@ func TestPickDeterministic(t *testing.T) {
 	svc := s.ServiceByName("default", "echo")
 	vip := netip.MustParseAddr("198.18.100.1")
 	for i, want := range []string{"echo-1", "echo-2", "echo-3"} {
-		e, _ := svc.pick(vip, "", func(n int) int {
+		e, _ := svc.pick(vip, nil, func(n uint64) uint64 {
 			if n != 3 {
 				t.Fatalf("rnd(%d), want rnd(3)", n)
 			}
-			return i
+			return uint64(i)
 		})
 		if e.Workload.Name != want {
 			t.Errorf("pick %d = %s, want %s", i, e.Workload.Name, want)
@@ -510,13 +510,15 @@ func TestLookupsDoNotAllocate(t *testing.T) {
 	a := s.WorkloadByName("ns-50", "app-3-13").Addresses[1]
 	vip := netip.MustParseAddrPort("172.16.50.4:80")
 	r := benchRequest(s)
+	from := s.WorkloadByName("ns-54", "app-3-3")
 	for name, f := range map[string]func(){
 		"Workload": func() { s.Workload(a) },
 		"Service+Pick": func() {
 			svc, _ := s.Service(vip)
-			svc.Pick(vip.Addr(), "node-1")
+			svc.Pick(vip.Addr(), from)
 		},
-		"Authorize": func() { s.Authorize(&r) },
+		"Authorize":  func() { s.Authorize(&r) },
+		"ServiceFor": func() { s.ServiceFor(vip, "ns-54") },
 	} {
 		if n := testing.AllocsPerRun(1000, f); n != 0 {
 			t.Errorf("%s allocates %v times per call", name, n)
@@ -561,12 +563,13 @@ func BenchmarkServicePick(b *testing.B) {
 		}
 	}
 	rand.Shuffle(len(dsts), func(i, j int) { dsts[i], dsts[j] = dsts[j], dsts[i] })
+	from := &Workload{Node: "node-3"}
 	b.ReportAllocs()
 	i := 0
 	for b.Loop() {
 		d := dsts[i%len(dsts)]
 		svc, _ := s.Service(d)
-		if _, ok := svc.Pick(d.Addr(), "node-3"); !ok {
+		if _, ok := svc.Pick(d.Addr(), from); !ok {
 			b.Fatal("no endpoint")
 		}
 		i++

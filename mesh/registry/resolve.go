@@ -61,8 +61,9 @@ func (c Conflict) String() string {
 // rest of the mesh from being modelled. Order decides, the same way on
 // every node, so the source orders its objects by precedence: an earlier
 // workload keeps an address or a name against a later one; workloads keep
-// their addresses against service VIPs; an earlier service keeps a VIP or
-// a name against a later one. A workload that loses is left out whole (a
+// their addresses against service VIPs; an earlier service keeps a name,
+// or a VIP, against a later one of its namespace (services of different
+// namespaces may share a VIP). A workload that loses is left out whole (a
 // workload with part of its addresses would be reached as another); a
 // service loses only the VIPs in conflict, and is left out if none
 // remains. Service endpoints that name a workload left out are dropped
@@ -144,7 +145,13 @@ func Resolve(m Model) (Model, []Conflict) {
 		out.Workloads = append(out.Workloads, w)
 	}
 
-	vipOwner := make(map[netip.Addr]*Service)
+	// A VIP is one service's per namespace: services of different
+	// namespaces may share it (ServiceFor chooses by the client's).
+	type vipNS struct {
+		a  netip.Addr
+		ns string
+	}
+	vipOwner := make(map[vipNS]*Service)
 	svcNames := make(map[WorkloadRef]bool, len(m.Services))
 	for i, in := range m.Services {
 		drop := func(reason string) {
@@ -163,6 +170,10 @@ func Resolve(m Model) (Model, []Conflict) {
 			drop(r)
 			continue
 		}
+		if r := badCIDRs(in.CIDRs); r != "" {
+			drop(r)
+			continue
+		}
 		var vips []netip.Addr
 		var lost []string
 		for _, v := range in.VIPs {
@@ -170,15 +181,15 @@ func Resolve(m Model) (Model, []Conflict) {
 			switch {
 			case !v.IsValid():
 				lost = append(lost, "an invalid VIP")
-			case vipOwner[v] == in:
+			case vipOwner[vipNS{v, in.Namespace}] == in:
 				// listed twice by the service itself: once is enough
 			case owner[v] != nil:
 				lost = append(lost, fmt.Sprintf("VIP %s is the address of workload %s", v, owner[v]))
-			case vipOwner[v] != nil:
-				lost = append(lost, fmt.Sprintf("VIP %s is a VIP of service %s, which takes precedence", v, vipOwner[v]))
+			case vipOwner[vipNS{v, in.Namespace}] != nil:
+				lost = append(lost, fmt.Sprintf("VIP %s is a VIP of service %s of the same namespace, which takes precedence", v, vipOwner[vipNS{v, in.Namespace}]))
 			default:
 				vips = append(vips, v)
-				vipOwner[v] = in // claimed even if later VIPs of in repeat it
+				vipOwner[vipNS{v, in.Namespace}] = in // claimed even if later VIPs of in repeat it
 				continue
 			}
 		}
@@ -229,6 +240,15 @@ func badPorts(ps []ServicePort) string {
 			if ps[j].Port == ps[i].Port {
 				return fmt.Sprintf("port %d listed twice", ps[i].Port)
 			}
+		}
+	}
+	return ""
+}
+
+func badCIDRs(ps []netip.Prefix) string {
+	for _, p := range ps {
+		if !p.IsValid() || p != p.Masked() || p.Addr().Is4In6() {
+			return fmt.Sprintf("invalid VIP range %s", p)
 		}
 	}
 	return ""

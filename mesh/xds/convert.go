@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
-	"slices"
 	"strconv"
 	"strings"
 
@@ -135,13 +134,27 @@ func (c *converter) workload(in *workloadapi.Workload) (*workload, error) {
 	if in.Status == workloadapi.WorkloadStatus_UNHEALTHY {
 		w.Health = registry.Unhealthy
 	}
+	if l := in.Locality; l != nil {
+		w.Locality = registry.Locality{Region: l.Region, Zone: l.Zone, Subzone: l.Subzone}
+	}
+	if len(w.Addresses) == 0 {
+		// A ServiceEntry endpoint of resolution DNS: reached by name.
+		// The proxy resolves it on demand, as ztunnel does.
+		w.Hostname = in.Hostname
+	}
+	// Capacity 0: no share of its services' connections (ztunnel never
+	// picks it), so it is no endpoint at all.
+	endpoint := in.Capacity == nil || in.Capacity.Value > 0
+	if endpoint && in.Capacity != nil {
+		w.Capacity = in.Capacity.Value
+	}
 	if len(in.AuthorizationPolicies) > 0 {
 		w.Labels = make(map[string]string, len(in.AuthorizationPolicies))
 		for _, k := range in.AuthorizationPolicies {
 			w.Labels[policyLabel(k)] = "true"
 		}
 	}
-	if len(in.Services) > 0 {
+	if len(in.Services) > 0 && endpoint {
 		out.services = make(map[string][]*workloadapi.Port, len(in.Services))
 		for k, pl := range in.Services {
 			out.services[k] = pl.GetPorts()
@@ -176,12 +189,20 @@ func (c *converter) service(in *workloadapi.Service) (*service, error) {
 		if !ok {
 			return nil, fmt.Errorf("service %s: addresses[%d] is %d bytes, not an IPv4 or IPv6 address", key, i, len(na.Address))
 		}
-		if na.Length != nil && int(*na.Length) != a.Unmap().BitLen() {
-			return nil, fmt.Errorf("service %s: addresses[%d] is a /%d range; only single VIPs are supported", key, i, *na.Length)
+		a = a.Unmap()
+		if na.Length != nil && int(*na.Length) != a.BitLen() {
+			// A VIP range: connections to any of its addresses (that
+			// is no workload's or VIP) are the service's.
+			p, err := a.Prefix(int(*na.Length))
+			if err != nil || int(*na.Length) > a.BitLen() {
+				return nil, fmt.Errorf("service %s: addresses[%d] %s/%d is not a valid range", key, i, a, *na.Length)
+			}
+			s.CIDRs = append(s.CIDRs, p)
+			continue
 		}
-		s.VIPs = append(s.VIPs, a.Unmap())
+		s.VIPs = append(s.VIPs, a)
 	}
-	if len(s.VIPs) == 0 {
+	if len(s.VIPs)+len(s.CIDRs) == 0 {
 		return nil, nil
 	}
 	out := &service{s: s, key: key}
@@ -198,23 +219,62 @@ func (c *converter) service(in *workloadapi.Service) (*service, error) {
 		}
 		s.Ports = append(s.Ports, sp)
 	}
+	s.Canonical = in.Canonical
 	if lb := in.LoadBalancing; lb != nil {
-		// PASSTHROUGH: no endpoint selection, the original destination
-		// (ztunnel's behaviour), whatever the routing preference.
-		s.Passthrough = lb.Mode == workloadapi.LoadBalancing_PASSTHROUGH
-		switch {
-		case s.Passthrough:
-		case len(lb.RoutingPreference) == 0:
-		case lb.Mode == workloadapi.LoadBalancing_STRICT:
-			return nil, fmt.Errorf("service %s: load balancing mode STRICT on %v (e.g. internalTrafficPolicy: Local) is not supported; meshtun only prefers same-node endpoints", key, lb.RoutingPreference)
-		case slices.Contains(lb.RoutingPreference, workloadapi.LoadBalancing_NODE):
-			// FAILOVER (or unspecified) with NODE among the scopes:
-			// trafficDistribution PreferSameNode. Region, zone and the
-			// other scopes are one locality for meshtun (all nodes alike).
-			s.PreferSameNode = true
+		if err := loadBalancing(s, lb); err != nil {
+			return nil, fmt.Errorf("service %s: %w", key, err)
 		}
 	}
 	return out, nil
+}
+
+// loadBalancing sets s's endpoint selection from istiod's: the mode
+// (PASSTHROUGH: no endpoint selection, the original destination, as
+// ztunnel does; STRICT and FAILOVER: ranked by the routing preferences),
+// the scopes, and the health policy (ALLOW_ALL: unhealthy endpoints too).
+// A value this meshtun does not know is refused rather than ignored: a
+// STRICT preference ignored would send traffic where it must not go.
+func loadBalancing(s *registry.Service, lb *workloadapi.LoadBalancing) error {
+	switch lb.Mode {
+	case workloadapi.LoadBalancing_UNSPECIFIED_MODE:
+		s.LB.Mode = registry.LBAny
+	case workloadapi.LoadBalancing_FAILOVER:
+		s.LB.Mode = registry.LBFailover
+	case workloadapi.LoadBalancing_STRICT:
+		s.LB.Mode = registry.LBStrict
+	case workloadapi.LoadBalancing_PASSTHROUGH:
+		s.Passthrough = true
+	default:
+		return fmt.Errorf("load balancing mode %v is not known to this meshtun", lb.Mode)
+	}
+	for i, p := range lb.RoutingPreference {
+		var sc registry.Scope
+		switch p {
+		case workloadapi.LoadBalancing_REGION:
+			sc = registry.ScopeRegion
+		case workloadapi.LoadBalancing_ZONE:
+			sc = registry.ScopeZone
+		case workloadapi.LoadBalancing_SUBZONE:
+			sc = registry.ScopeSubzone
+		case workloadapi.LoadBalancing_NODE:
+			sc = registry.ScopeNode
+		case workloadapi.LoadBalancing_CLUSTER:
+			sc = registry.ScopeCluster
+		case workloadapi.LoadBalancing_NETWORK:
+			sc = registry.ScopeNetwork
+		default:
+			return fmt.Errorf("load balancing routing_preference[%d] %v is not known to this meshtun", i, p)
+		}
+		s.LB.Scopes = append(s.LB.Scopes, sc)
+	}
+	switch lb.HealthPolicy {
+	case workloadapi.LoadBalancing_ONLY_HEALTHY:
+	case workloadapi.LoadBalancing_ALLOW_ALL:
+		s.AllowUnhealthy = true
+	default:
+		return fmt.Errorf("load balancing health policy %v is not known to this meshtun", lb.HealthPolicy)
+	}
+	return nil
 }
 
 // authorization converts an istio.security.Authorization. A dry-run

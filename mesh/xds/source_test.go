@@ -313,7 +313,7 @@ func TestSourceAppliesACKsNACKsAndResubscribes(t *testing.T) {
 	}
 	vip := netip.MustParseAddr("10.96.0.10")
 	s, sp := snap.Service(netip.AddrPortFrom(vip, 80))
-	if s == nil || sp.Target() != 8080 || !s.PreferSameNode || len(s.Endpoints(vip)) != 2 {
+	if s == nil || sp.Target() != 8080 || s.LB.Mode != registry.LBFailover || len(s.LB.Scopes) != 1 || s.LB.Scopes[0] != registry.ScopeNode || len(s.Endpoints(vip)) != 2 {
 		t.Fatalf("service: %+v %+v", s, sp)
 	}
 	c := spiffeid.RequireFromString("spiffe://cluster.local/ns/default/sa/c")

@@ -6,6 +6,7 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"net/netip"
@@ -704,11 +705,10 @@ func TestIstiod(t *testing.T) {
 		}
 	})
 
-	t.Run("a service meshtun cannot apply is NACKed, the rest applies", func(t *testing.T) {
-		mark := m1.Len()
+	t.Run("services: internalTrafficPolicy Local reaches its node's endpoints only", func(t *testing.T) {
 		// internalTrafficPolicy: Local is istiod's load balancing mode
-		// STRICT on NODE, which meshtun does not do: refused. The other
-		// service, created after it, applies.
+		// STRICT on NODE: apps/later (node 2) is the endpoint for clients
+		// of node 2, and clients of node 1 have none (reset, UH).
 		local := corev1.ServiceInternalTrafficPolicyLocal
 		for _, svc := range []*corev1.Service{
 			{ObjectMeta: metav1.ObjectMeta{Name: "local-only"}, Spec: corev1.ServiceSpec{
@@ -724,10 +724,44 @@ func TestIstiod(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		l := waitLog(t, m1, mark, "NACK of the local-only service", func(l noderun.Line) bool {
-			return l.Str("message") == "NACK" && strings.Contains(l.Str("error"), "apps/local-only.apps.svc.cluster.local") && strings.Contains(l.Str("error"), "STRICT")
+		lo, err := cp.Admin.CoreV1().Services("apps").Get(ctx, "local-only", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		vip := netip.AddrPortFrom(netip.MustParseAddr(lo.Spec.ClusterIP), 80)
+		// Node 2's client (apps/server) reaches apps/later, on its node.
+		until(t, "local-only from node 2", func() netip.AddrPort {
+			src := roundTripMaybe(p21, vip)
+			if !src.IsValid() {
+				return src
+			}
+			if l, ok := accessLog(m2, src); !ok || l.Str("dst.service") != "local-only.apps.svc.cluster.local" ||
+				l.Str("dst.identity") != spiffe("apps", "later") || l.Str("route") != "local" {
+				return netip.AddrPort{}
+			}
+			return src
 		})
-		t.Logf("NACK: %s", l.Str("error"))
+		// Node 1's client gets a reset, and node 1 says why.
+		refusedUH := func(l noderun.Line) bool {
+			return l.Str("message") == "connection refused" && l.Str("dst.addr") == vip.String() &&
+				l.Str("response_flags") == "UH" && l.Str("dst.service") == "local-only.apps.svc.cluster.local"
+		}
+		deadline := time.Now().Add(30 * time.Second)
+		for !hasLine(m1, refusedUH) {
+			if src := roundTripMaybe(p11, vip); src.IsValid() {
+				l, _ := accessLog(m1, src)
+				t.Fatalf("node 1's client reached the local-only service (node 2's endpoint only): %v", l)
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("node 1 logged no UH refusal for %s within 30s:\n%s", vip, m1.Logs())
+			}
+			time.Sleep(200 * time.Millisecond)
+		}
+		if hasLine(m1, func(l noderun.Line) bool {
+			return l.Str("message") == "NACK" && strings.Contains(l.Str("error"), "local-only")
+		}) {
+			t.Error("node 1 NACKed the local-only service")
+		}
 		web, err := cp.Admin.CoreV1().Services("apps").Get(ctx, "web", metav1.GetOptions{})
 		if err != nil {
 			t.Fatal(err)
@@ -758,6 +792,61 @@ func TestIstiod(t *testing.T) {
 		}
 		if !ok {
 			t.Errorf("no istio_tcp_connections_opened_total series of node 1 for the web service (hostname, name web, namespace apps):\n%s", body)
+		}
+	})
+
+	t.Run("services: trafficDistribution PreferClose picks the client's zone", func(t *testing.T) {
+		// istiod gives pods the locality of their Node objects' topology
+		// labels: node 1 in zone z1, node 2 in z2, one region.
+		for i, n := range []*cluster.Node{n1, n2} {
+			node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: noderun.NodeName(n), Labels: map[string]string{
+				"topology.kubernetes.io/region": "r1", "topology.kubernetes.io/zone": fmt.Sprintf("z%d", i+1)}}}
+			if _, err := cp.Admin.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		// Endpoints: apps/near on node 1 (the client's zone) and
+		// apps/server on node 2.
+		p12 := n1.Pods[1]
+		k.run(p12, "apps", "near", "near", map[string]string{"app": "near", "tier": "close"})
+		echo(t, p12, 8080)
+		waitRedirected(t, cp.Admin, "apps", "near", true)
+		patch := []byte(`{"metadata":{"labels":{"tier":"close"}}}`)
+		if _, err := cp.Admin.CoreV1().Pods("apps").Patch(ctx, "server", types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		cl := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Name: "close"}, Spec: corev1.ServiceSpec{
+			Selector: map[string]string{"tier": "close"}, TrafficDistribution: new(corev1.ServiceTrafficDistributionPreferClose),
+			Ports: []corev1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromString("http")}},
+		}}
+		cl, err := cp.Admin.CoreV1().Services("apps").Create(ctx, cl, metav1.CreateOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		vip := netip.AddrPortFrom(netip.MustParseAddr(cl.Spec.ClusterIP), 80)
+		// Until istiod's model has the service, both endpoints and the
+		// localities, node 1 may send elsewhere; then 20 connections in a
+		// row go to apps/near (any endpoint would send about half to
+		// node 2).
+		near := func() bool {
+			src := roundTripMaybe(p11, vip)
+			if !src.IsValid() {
+				return false
+			}
+			l, ok := accessLog(m1, src)
+			return ok && l.Str("dst.identity") == spiffe("apps", "near") && l.Str("dst.service") == "close.apps.svc.cluster.local"
+		}
+		deadline := time.Now().Add(60 * time.Second)
+		for run := 0; run < 20; {
+			if near() {
+				run++
+				continue
+			}
+			run = 0
+			if time.Now().After(deadline) {
+				t.Fatalf("node 1's client did not reach only apps/near (its zone) through %s within 60s", vip)
+			}
+			time.Sleep(200 * time.Millisecond)
 		}
 	})
 
