@@ -102,8 +102,18 @@ type Workload struct {
 	// labels), and its cluster. Telemetry and /config_dump report them.
 	UID, WorkloadName, WorkloadType           string
 	CanonicalName, CanonicalRevision, Cluster string
+	// Locality is where the workload runs, when the source knows it
+	// (istiod's workload locality, from the node's topology labels).
+	Locality Locality
 
 	authz policy.Set // the policies that apply to the workload; set by Build
+}
+
+// Locality is a workload's region, zone and subzone, as Istio names them
+// (topology.kubernetes.io/region and /zone, topology.istio.io/subzone);
+// empty when unknown.
+type Locality struct {
+	Region, Zone, Subzone string
 }
 
 // String returns namespace/name.

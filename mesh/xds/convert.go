@@ -97,6 +97,9 @@ func (c *converter) workload(in *workloadapi.Workload) (*workload, error) {
 		UID:      in.Uid, WorkloadName: in.WorkloadName, WorkloadType: workloadType(in.WorkloadType),
 		CanonicalName: in.CanonicalName, CanonicalRevision: in.CanonicalRevision, Cluster: in.ClusterId,
 	}
+	if l := in.GetLocality(); l != nil {
+		w.Locality = registry.Locality{Region: l.Region, Zone: l.Zone, Subzone: l.Subzone}
+	}
 	for i, b := range in.Addresses {
 		a, ok := netip.AddrFromSlice(b)
 		if !ok {
