@@ -10,12 +10,14 @@ import (
 	"strings"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 
 	"github.com/meshtun/meshtun/mesh/config"
 	"github.com/meshtun/meshtun/mesh/gate"
 	"github.com/meshtun/meshtun/mesh/identity"
+	"github.com/meshtun/meshtun/mesh/metrics"
 	"github.com/meshtun/meshtun/mesh/node"
 	"github.com/meshtun/meshtun/mesh/registry"
 	"github.com/meshtun/meshtun/protocols/hbone"
@@ -128,6 +130,7 @@ func runNode(ctx context.Context, args []string) error {
 		updates  <-chan *registry.Snapshot
 		status   func() any
 		captured func([]registry.WorkloadRef)
+		collect  []prometheus.Collector
 		cniGate  *gate.Gate
 		cniPods  *gatePods
 	)
@@ -169,6 +172,7 @@ func runNode(ctx context.Context, args []string) error {
 		}
 		mesh, updates, captured = snap, src.Updates(), rep
 		status = func() any { return src.Status() }
+		collect = append(collect, metrics.XDS(src.MetricsStats))
 	} else {
 		if kubeconfig != "" {
 			return errors.New("--kubeconfig needs --kubernetes (or --xds-address with --redirect-pods)")
@@ -209,6 +213,7 @@ func runNode(ctx context.Context, args []string) error {
 		// (or istiod).
 		ncfg.ConfigPath = ""
 		ncfg.Updates, ncfg.CaptureByRoute, ncfg.Status, ncfg.Captured = updates, true, status, captured
+		ncfg.Collectors = collect
 	}
 	if cniGate != nil {
 		ncfg.CapturedWorkloads, ncfg.LinkHint = cniGate.Captured, cniGate.LinkHint

@@ -15,6 +15,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
 	"github.com/spiffe/go-spiffe/v2/bundle/x509bundle"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
@@ -71,6 +72,9 @@ type Config struct {
 	// Status, if set, is shown as "source" on /config_dump: what the model's
 	// source last saw.
 	Status func() any
+	// Collectors are added to the node's metrics (the model source's own,
+	// as the xDS health metrics).
+	Collectors []prometheus.Collector
 	// Captured, if set, is told after every change of capture which
 	// local mesh workloads are captured: certificate held, host link
 	// found, capture and inbound HBONE rules in place. With istiod as the
@@ -358,6 +362,11 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	}
 	if err := n.metrics.Register(blockedCollector{n}); err != nil {
 		return fmt.Errorf("node: metrics: %w", err)
+	}
+	for _, c := range cfg.Collectors {
+		if err := n.metrics.Register(c); err != nil {
+			return fmt.Errorf("node: metrics: %w", err)
+		}
 	}
 
 	routes, err = tun.InstallRouting(dev, sinkDev, tun.RoutingConfig{
