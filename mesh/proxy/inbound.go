@@ -57,6 +57,17 @@ func (p *Proxy) connect(ctx context.Context, r *hbone.Request) (net.Conn, error)
 	rec := p.newRecord(srcAddr, r.Target, src, dst, "inbound", "hbone")
 	rec.srcID, rec.hboneAddr = r.Peer.String(), r.LocalAddr.String()
 	rec.service, rec.svc = serviceName(snap, r.Forwarded.Host), snap.ServiceByHostname(r.Forwarded.Host)
+	if !r.Trace.IsZero() {
+		rec.trace = r.Trace // the connection keeps its trace id across nodes
+	}
+	if src == nil && r.Baggage != nil {
+		d, err := deriveSource(r.Baggage, r.Peer)
+		if err != nil {
+			p.log.Debug().Err(err).Str("peer", r.Peer.String()).Str("trace_id", rec.trace.TraceIDString()).
+				Msg("ignoring the peer's baggage")
+		}
+		rec.derived = d
+	}
 	fail := func(kind error, err error) (net.Conn, error) {
 		err = fmt.Errorf("%w: %w", kind, err)
 		rec.refused(err)
