@@ -60,6 +60,10 @@ func (p *Proxy) connect(ctx context.Context, r *hbone.Request) (net.Conn, error)
 	if !r.Trace.IsZero() {
 		rec.trace = r.Trace // the connection keeps its trace id across nodes
 	}
+	if ev := p.log.Debug(); ev.Enabled() {
+		ev.Str("trace_id", rec.trace.TraceIDString()).Str("peer", r.Peer.String()).Str("target", r.Target.String()).
+			Str("traceparent", r.TraceParent).Str("baggage", r.Baggage.String()).Msg(InboundRequestMessage)
+	}
 	if src == nil && r.Baggage != nil {
 		d, err := deriveSource(r.Baggage, r.Peer)
 		if err != nil {
@@ -110,6 +114,11 @@ func (p *Proxy) connect(ctx context.Context, r *hbone.Request) (net.Conn, error)
 	}
 	return cc, nil
 }
+
+// InboundRequestMessage is the debug-level log line of an inbound HBONE
+// request: its trace id, peer, target, and the traceparent and baggage
+// it carried (as parsed; empty if absent or malformed).
+const InboundRequestMessage = "inbound HBONE request"
 
 // UnknownService is the dst.service (log and metric label) of an inbound
 // request whose forwarded host is no service the mesh knows.
