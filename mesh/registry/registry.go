@@ -109,13 +109,6 @@ type Workload struct {
 	authz policy.Set // the policies that apply to the workload; set by Build
 }
 
-// Locality is a workload's region, zone and subzone, as Istio names them
-// (topology.kubernetes.io/region and /zone, topology.istio.io/subzone);
-// empty when unknown.
-type Locality struct {
-	Region, Zone, Subzone string
-}
-
 // String returns namespace/name.
 func (w *Workload) String() string { return w.Namespace + "/" + w.Name }
 
