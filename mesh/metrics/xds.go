@@ -11,7 +11,8 @@ import (
 type XDSStats struct {
 	// Connected: a stream to istiod is open and has delivered a response.
 	Connected bool
-	// Connects counts the streams opened; Disconnects those that ended.
+	// Connects counts the streams opened; Disconnects those that ended
+	// and the attempts to open one that failed.
 	Connects, Disconnects uint64
 	// Types holds each subscribed resource type's figures, by type URL.
 	Types map[string]XDSType
@@ -36,7 +37,7 @@ type xdsCollector struct{ read func() XDSStats }
 var (
 	descXDSMessages     = prometheus.NewDesc("istio_xds_message_total", "Responses received from istiod, by type (ztunnel's metric).", []string{"url"}, nil)
 	descXDSBytes        = prometheus.NewDesc("istio_xds_message_bytes_total", "Bytes of the resources received from istiod, by type (ztunnel's metric).", []string{"url"}, nil)
-	descXDSTerminations = prometheus.NewDesc("istio_xds_connection_terminations_total", "Streams to istiod that ended (ztunnel's metric; meshtun's end only on a connection error).", []string{"reason"}, nil)
+	descXDSTerminations = prometheus.NewDesc("istio_xds_connection_terminations_total", "Streams to istiod that ended, and attempts to open one that failed (ztunnel's metric; meshtun's end only on a connection error).", []string{"reason"}, nil)
 	descXDSConnected    = prometheus.NewDesc("meshtun_xds_connected", "1 while a stream to istiod is open and has delivered a response, else 0.", nil, nil)
 	descXDSConnects     = prometheus.NewDesc("meshtun_xds_connects_total", "Streams to istiod opened.", nil, nil)
 	descXDSAnswers      = prometheus.NewDesc("meshtun_xds_responses_total", "Responses from istiod answered, by type and answer (ack, nack).", []string{"type_url", "answer"}, nil)

@@ -115,7 +115,8 @@ func TestXDSHealthMetrics(t *testing.T) {
 		t.Error("no last NACK time after a NACK")
 	}
 
-	// istiod goes away: not connected, one termination.
+	// istiod goes away: not connected, terminations counted (the stream,
+	// and each failed attempt to reopen it since, 20 ms apart here).
 	f.stop()
 	deadline := time.Now().Add(10 * time.Second)
 	for src.Status().Connected {
@@ -125,8 +126,8 @@ func TestXDSHealthMetrics(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 	got = scrape(t, reg)
-	if got["meshtun_xds_connected"] != 0 || got["istio_xds_connection_terminations_total{reason=ConnectionError}"] != 1 {
-		t.Errorf("after istiod stopped: connected %v, terminations %v; want 0 and 1",
+	if got["meshtun_xds_connected"] != 0 || got["istio_xds_connection_terminations_total{reason=ConnectionError}"] < 1 {
+		t.Errorf("after istiod stopped: connected %v, terminations %v; want 0 and at least 1",
 			got["meshtun_xds_connected"], got["istio_xds_connection_terminations_total{reason=ConnectionError}"])
 	}
 }

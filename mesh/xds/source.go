@@ -135,8 +135,9 @@ type Status struct {
 	// Address is istiod's.
 	Address   string `json:"address"`
 	Connected bool   `json:"connected"`
-	// Connects counts the streams opened; LastDisconnect says why the
-	// last one ended.
+	// Connects counts the streams opened; Disconnects those that ended
+	// and the attempts to open one that failed; LastDisconnect says why
+	// the last one ended.
 	Connects       int    `json:"connects"`
 	Disconnects    int    `json:"disconnects"`
 	LastDisconnect string `json:"lastDisconnect,omitempty"`
