@@ -10,12 +10,14 @@ import (
 	"strings"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 
 	"github.com/meshtun/meshtun/mesh/config"
 	"github.com/meshtun/meshtun/mesh/gate"
 	"github.com/meshtun/meshtun/mesh/identity"
+	"github.com/meshtun/meshtun/mesh/metrics"
 	"github.com/meshtun/meshtun/mesh/node"
 	"github.com/meshtun/meshtun/mesh/registry"
 	"github.com/meshtun/meshtun/protocols/hbone"
@@ -125,6 +127,7 @@ func runNode(ctx context.Context, args []string) error {
 	var (
 		src      registry.Source
 		captured func([]*registry.Workload)
+		collect  []prometheus.Collector
 		cniGate  *gate.Gate
 	)
 	switch {
@@ -150,6 +153,7 @@ func runNode(ctx context.Context, args []string) error {
 			return err
 		}
 		src, captured = xs, rep
+		collect = append(collect, metrics.XDS(xs.MetricsStats))
 	default:
 		if kubeconfig != "" {
 			return errors.New("--kubeconfig needs --kubernetes (or --xds-address with --redirect-pods)")
@@ -180,6 +184,7 @@ func runNode(ctx context.Context, args []string) error {
 		DrainPeriod:                 drain,
 		Logger:                      log,
 	}
+	ncfg.Collectors = collect
 	if cniGate != nil {
 		ncfg.Captured, ncfg.LinkHint = cniGate.Captured, cniGate.LinkHint
 		ncfg.WhileReady = func(ctx context.Context) {

@@ -25,6 +25,10 @@ var connLabels = []string{
 	"request_protocol",
 	"connection_security_policy",
 	"response_flags",
+	// ztunnel's locality labels (it leaves them out of a series when
+	// it knows neither end; a Prometheus vector has one label set, so
+	// meshtun reports them "unknown" then).
+	"source_region", "source_zone", "destination_region", "destination_zone",
 }
 
 // Conn identifies one connection for Istio's TCP metrics. Empty fields are
@@ -63,6 +67,8 @@ type Peer struct {
 	// CanonicalService and CanonicalRevision are Istio's canonical names.
 	CanonicalService, CanonicalRevision string
 	Cluster                             string
+	// Region and Zone are the workload's locality, when known.
+	Region, Zone string
 }
 
 func (c *Conn) values() []string {
@@ -72,7 +78,8 @@ func (c *Conn) values() []string {
 		c.Dst.Workload, c.Dst.Namespace, c.Dst.Principal,
 		c.Dst.CanonicalService, c.Dst.CanonicalRevision, c.Dst.CanonicalService, c.Dst.CanonicalRevision, c.Dst.Cluster,
 		c.DstService.Hostname, c.DstService.Name, c.DstService.Namespace,
-		"tcp", c.SecurityPolicy, c.ResponseFlags}
+		"tcp", c.SecurityPolicy, c.ResponseFlags,
+		c.Src.Region, c.Src.Zone, c.Dst.Region, c.Dst.Zone}
 	for i := range v {
 		if v[i] == "" {
 			v[i] = "unknown"
@@ -86,7 +93,7 @@ type Metrics struct {
 	// Registry is what the /metrics handler serves.
 	Registry *prometheus.Registry
 
-	opened, closed, sent, received *prometheus.CounterVec
+	opened, closed, failed, sent, received *prometheus.CounterVec
 }
 
 // New returns the metrics of a node, with Go runtime and process metrics
@@ -100,6 +107,7 @@ func New() *Metrics {
 	}
 	m.opened = vec("istio_tcp_connections_opened_total", "TCP connections opened (Istio standard metric).")
 	m.closed = vec("istio_tcp_connections_closed_total", "TCP connections closed (Istio standard metric).")
+	m.failed = vec("istio_tcp_connections_failed_total", "TCP connections that failed to establish: refused by policy, a failed TLS handshake or upstream connect (ztunnel's metric).")
 	m.sent = vec("istio_tcp_sent_bytes_total", "Bytes sent by the client, towards the destination (Istio standard metric).")
 	m.received = vec("istio_tcp_received_bytes_total", "Bytes received by the client, from the destination (Istio standard metric).")
 	m.Registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -136,10 +144,15 @@ func (m *Metrics) Bytes(c *Conn) (sent, received prometheus.Counter) {
 }
 
 // Refused counts a connection that was refused before it opened (policy,
-// connect failure): opened and closed at once, with no bytes.
+// connect failure): opened, closed and failed at once, with no bytes.
 func (m *Metrics) Refused(c *Conn) {
-	m.Opened(c)
-	m.Closed(c)
+	if m == nil {
+		return
+	}
+	v := c.values()
+	m.opened.WithLabelValues(v...).Inc()
+	m.closed.WithLabelValues(v...).Inc()
+	m.failed.WithLabelValues(v...).Inc()
 }
 
 // Register adds a collector (the data-plane figures) to the registry.

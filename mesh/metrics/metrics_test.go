@@ -44,19 +44,19 @@ func TestConnCounters(t *testing.T) {
 	want := `
 # HELP istio_tcp_connections_opened_total TCP connections opened (Istio standard metric).
 # TYPE istio_tcp_connections_opened_total counter
-istio_tcp_connections_opened_total{connection_security_policy="mutual_tls",destination_app="server-app",destination_canonical_revision="v2",destination_canonical_service="server-app",destination_cluster="c1",destination_principal="spiffe://cluster.local/ns/b/sa/server",destination_service="server.b.svc.cluster.local",destination_service_name="server",destination_service_namespace="b",destination_version="v2",destination_workload="server",destination_workload_namespace="b",reporter="destination",request_protocol="tcp",response_flags="-",source_app="client-app",source_canonical_revision="v1",source_canonical_service="client-app",source_cluster="c1",source_principal="spiffe://cluster.local/ns/a/sa/client",source_version="v1",source_workload="client",source_workload_namespace="a"} 1
-istio_tcp_connections_opened_total{connection_security_policy="mutual_tls",destination_app="server-app",destination_canonical_revision="v2",destination_canonical_service="server-app",destination_cluster="c1",destination_principal="spiffe://cluster.local/ns/b/sa/server",destination_service="server.b.svc.cluster.local",destination_service_name="server",destination_service_namespace="b",destination_version="v2",destination_workload="server",destination_workload_namespace="b",reporter="source",request_protocol="tcp",response_flags="-",source_app="client-app",source_canonical_revision="v1",source_canonical_service="client-app",source_cluster="c1",source_principal="spiffe://cluster.local/ns/a/sa/client",source_version="v1",source_workload="client",source_workload_namespace="a"} 1
-istio_tcp_connections_opened_total{connection_security_policy="none",destination_app="unknown",destination_canonical_revision="unknown",destination_canonical_service="unknown",destination_cluster="unknown",destination_principal="unknown",destination_service="unknown",destination_service_name="unknown",destination_service_namespace="unknown",destination_version="unknown",destination_workload="server",destination_workload_namespace="b",reporter="destination",request_protocol="tcp",response_flags="DENY",source_app="unknown",source_canonical_revision="unknown",source_canonical_service="unknown",source_cluster="unknown",source_principal="unknown",source_version="unknown",source_workload="unknown",source_workload_namespace="unknown"} 1
+istio_tcp_connections_opened_total{connection_security_policy="mutual_tls",destination_app="server-app",destination_canonical_revision="v2",destination_canonical_service="server-app",destination_cluster="c1",destination_principal="spiffe://cluster.local/ns/b/sa/server",destination_region="unknown",destination_service="server.b.svc.cluster.local",destination_service_name="server",destination_service_namespace="b",destination_version="v2",destination_workload="server",destination_workload_namespace="b",destination_zone="unknown",reporter="destination",request_protocol="tcp",response_flags="-",source_app="client-app",source_canonical_revision="v1",source_canonical_service="client-app",source_cluster="c1",source_principal="spiffe://cluster.local/ns/a/sa/client",source_region="unknown",source_version="v1",source_workload="client",source_workload_namespace="a",source_zone="unknown"} 1
+istio_tcp_connections_opened_total{connection_security_policy="mutual_tls",destination_app="server-app",destination_canonical_revision="v2",destination_canonical_service="server-app",destination_cluster="c1",destination_principal="spiffe://cluster.local/ns/b/sa/server",destination_region="unknown",destination_service="server.b.svc.cluster.local",destination_service_name="server",destination_service_namespace="b",destination_version="v2",destination_workload="server",destination_workload_namespace="b",destination_zone="unknown",reporter="source",request_protocol="tcp",response_flags="-",source_app="client-app",source_canonical_revision="v1",source_canonical_service="client-app",source_cluster="c1",source_principal="spiffe://cluster.local/ns/a/sa/client",source_region="unknown",source_version="v1",source_workload="client",source_workload_namespace="a",source_zone="unknown"} 1
+istio_tcp_connections_opened_total{connection_security_policy="none",destination_app="unknown",destination_canonical_revision="unknown",destination_canonical_service="unknown",destination_cluster="unknown",destination_principal="unknown",destination_region="unknown",destination_service="unknown",destination_service_name="unknown",destination_service_namespace="unknown",destination_version="unknown",destination_workload="server",destination_workload_namespace="b",destination_zone="unknown",reporter="destination",request_protocol="tcp",response_flags="DENY",source_app="unknown",source_canonical_revision="unknown",source_canonical_service="unknown",source_cluster="unknown",source_principal="unknown",source_region="unknown",source_version="unknown",source_workload="unknown",source_workload_namespace="unknown",source_zone="unknown"} 1
 # HELP istio_tcp_connections_closed_total TCP connections closed (Istio standard metric).
 # TYPE istio_tcp_connections_closed_total counter
-istio_tcp_connections_closed_total{connection_security_policy="mutual_tls",destination_app="server-app",destination_canonical_revision="v2",destination_canonical_service="server-app",destination_cluster="c1",destination_principal="spiffe://cluster.local/ns/b/sa/server",destination_service="server.b.svc.cluster.local",destination_service_name="server",destination_service_namespace="b",destination_version="v2",destination_workload="server",destination_workload_namespace="b",reporter="source",request_protocol="tcp",response_flags="-",source_app="client-app",source_canonical_revision="v1",source_canonical_service="client-app",source_cluster="c1",source_principal="spiffe://cluster.local/ns/a/sa/client",source_version="v1",source_workload="client",source_workload_namespace="a"} 1
-istio_tcp_connections_closed_total{connection_security_policy="none",destination_app="unknown",destination_canonical_revision="unknown",destination_canonical_service="unknown",destination_cluster="unknown",destination_principal="unknown",destination_service="unknown",destination_service_name="unknown",destination_service_namespace="unknown",destination_version="unknown",destination_workload="server",destination_workload_namespace="b",reporter="destination",request_protocol="tcp",response_flags="DENY",source_app="unknown",source_canonical_revision="unknown",source_canonical_service="unknown",source_cluster="unknown",source_principal="unknown",source_version="unknown",source_workload="unknown",source_workload_namespace="unknown"} 1
+istio_tcp_connections_closed_total{connection_security_policy="mutual_tls",destination_app="server-app",destination_canonical_revision="v2",destination_canonical_service="server-app",destination_cluster="c1",destination_principal="spiffe://cluster.local/ns/b/sa/server",destination_region="unknown",destination_service="server.b.svc.cluster.local",destination_service_name="server",destination_service_namespace="b",destination_version="v2",destination_workload="server",destination_workload_namespace="b",destination_zone="unknown",reporter="source",request_protocol="tcp",response_flags="-",source_app="client-app",source_canonical_revision="v1",source_canonical_service="client-app",source_cluster="c1",source_principal="spiffe://cluster.local/ns/a/sa/client",source_region="unknown",source_version="v1",source_workload="client",source_workload_namespace="a",source_zone="unknown"} 1
+istio_tcp_connections_closed_total{connection_security_policy="none",destination_app="unknown",destination_canonical_revision="unknown",destination_canonical_service="unknown",destination_cluster="unknown",destination_principal="unknown",destination_region="unknown",destination_service="unknown",destination_service_name="unknown",destination_service_namespace="unknown",destination_version="unknown",destination_workload="server",destination_workload_namespace="b",destination_zone="unknown",reporter="destination",request_protocol="tcp",response_flags="DENY",source_app="unknown",source_canonical_revision="unknown",source_canonical_service="unknown",source_cluster="unknown",source_principal="unknown",source_region="unknown",source_version="unknown",source_workload="unknown",source_workload_namespace="unknown",source_zone="unknown"} 1
 # HELP istio_tcp_sent_bytes_total Bytes sent by the client, towards the destination (Istio standard metric).
 # TYPE istio_tcp_sent_bytes_total counter
-istio_tcp_sent_bytes_total{connection_security_policy="mutual_tls",destination_app="server-app",destination_canonical_revision="v2",destination_canonical_service="server-app",destination_cluster="c1",destination_principal="spiffe://cluster.local/ns/b/sa/server",destination_service="server.b.svc.cluster.local",destination_service_name="server",destination_service_namespace="b",destination_version="v2",destination_workload="server",destination_workload_namespace="b",reporter="source",request_protocol="tcp",response_flags="-",source_app="client-app",source_canonical_revision="v1",source_canonical_service="client-app",source_cluster="c1",source_principal="spiffe://cluster.local/ns/a/sa/client",source_version="v1",source_workload="client",source_workload_namespace="a"} 1024
+istio_tcp_sent_bytes_total{connection_security_policy="mutual_tls",destination_app="server-app",destination_canonical_revision="v2",destination_canonical_service="server-app",destination_cluster="c1",destination_principal="spiffe://cluster.local/ns/b/sa/server",destination_region="unknown",destination_service="server.b.svc.cluster.local",destination_service_name="server",destination_service_namespace="b",destination_version="v2",destination_workload="server",destination_workload_namespace="b",destination_zone="unknown",reporter="source",request_protocol="tcp",response_flags="-",source_app="client-app",source_canonical_revision="v1",source_canonical_service="client-app",source_cluster="c1",source_principal="spiffe://cluster.local/ns/a/sa/client",source_region="unknown",source_version="v1",source_workload="client",source_workload_namespace="a",source_zone="unknown"} 1024
 # HELP istio_tcp_received_bytes_total Bytes received by the client, from the destination (Istio standard metric).
 # TYPE istio_tcp_received_bytes_total counter
-istio_tcp_received_bytes_total{connection_security_policy="mutual_tls",destination_app="server-app",destination_canonical_revision="v2",destination_canonical_service="server-app",destination_cluster="c1",destination_principal="spiffe://cluster.local/ns/b/sa/server",destination_service="server.b.svc.cluster.local",destination_service_name="server",destination_service_namespace="b",destination_version="v2",destination_workload="server",destination_workload_namespace="b",reporter="source",request_protocol="tcp",response_flags="-",source_app="client-app",source_canonical_revision="v1",source_canonical_service="client-app",source_cluster="c1",source_principal="spiffe://cluster.local/ns/a/sa/client",source_version="v1",source_workload="client",source_workload_namespace="a"} 250
+istio_tcp_received_bytes_total{connection_security_policy="mutual_tls",destination_app="server-app",destination_canonical_revision="v2",destination_canonical_service="server-app",destination_cluster="c1",destination_principal="spiffe://cluster.local/ns/b/sa/server",destination_region="unknown",destination_service="server.b.svc.cluster.local",destination_service_name="server",destination_service_namespace="b",destination_version="v2",destination_workload="server",destination_workload_namespace="b",destination_zone="unknown",reporter="source",request_protocol="tcp",response_flags="-",source_app="client-app",source_canonical_revision="v1",source_canonical_service="client-app",source_cluster="c1",source_principal="spiffe://cluster.local/ns/a/sa/client",source_region="unknown",source_version="v1",source_workload="client",source_workload_namespace="a",source_zone="unknown"} 250
 `
 	if err := gatherAndCompare(m.Registry, want,
 		"istio_tcp_connections_opened_total", "istio_tcp_connections_closed_total",
@@ -223,4 +223,71 @@ func gatherAndCompare(reg *prometheus.Registry, want string, names ...string) er
 		return errors.New(strings.Join(diffs, "\n"))
 	}
 	return nil
+}
+
+// seriesValues returns the values of name's series whose labels include
+// match.
+func seriesValues(t *testing.T, reg *prometheus.Registry, name string, match map[string]string) []float64 {
+	t.Helper()
+	fams, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []float64
+	for _, f := range fams {
+		if f.GetName() != name {
+			continue
+		}
+	series:
+		for _, m := range f.GetMetric() {
+			have := map[string]string{}
+			for _, l := range m.GetLabel() {
+				have[l.GetName()] = l.GetValue()
+			}
+			for k, v := range match {
+				if have[k] != v {
+					continue series
+				}
+			}
+			v := m.GetCounter().GetValue()
+			if m.GetGauge() != nil {
+				v = m.GetGauge().GetValue()
+			}
+			out = append(out, v)
+		}
+	}
+	return out
+}
+
+// TestFailedAndLocality: a refusal counts in
+// istio_tcp_connections_failed_total (ztunnel's) with the connection's
+// labels, a connection that opened does not, and each end's region and
+// zone are labels (unknown when not known).
+func TestFailedAndLocality(t *testing.T) {
+	m := New()
+	ok := Conn{Reporter: "source", Src: Peer{Workload: "client", Region: "eu-west1", Zone: "eu-west1-b"},
+		Dst: Peer{Workload: "server"}, ResponseFlags: "-"}
+	m.Opened(&ok)
+	m.Closed(&ok)
+	denied := Conn{Reporter: "destination", Src: Peer{Workload: "client"}, Dst: Peer{Workload: "server", Region: "us-east1", Zone: "us-east1-c"}, ResponseFlags: "DENY"}
+	m.Refused(&denied)
+	m.Refused(&denied)
+
+	if got := seriesValues(t, m.Registry, "istio_tcp_connections_failed_total", nil); len(got) != 1 {
+		t.Fatalf("failed series %v, want one (the refusal's)", got)
+	}
+	if got := seriesValues(t, m.Registry, "istio_tcp_connections_failed_total", map[string]string{
+		"response_flags": "DENY", "reporter": "destination", "source_workload": "client",
+		"destination_region": "us-east1", "destination_zone": "us-east1-c", "source_region": "unknown", "source_zone": "unknown",
+	}); len(got) != 1 || got[0] != 2 {
+		t.Errorf("failed{DENY, destination us-east1/us-east1-c} = %v, want [2]", got)
+	}
+	if got := seriesValues(t, m.Registry, "istio_tcp_connections_opened_total", map[string]string{
+		"response_flags": "-", "source_region": "eu-west1", "source_zone": "eu-west1-b", "destination_region": "unknown",
+	}); len(got) != 1 || got[0] != 1 {
+		t.Errorf("opened{source eu-west1/eu-west1-b} = %v, want [1]", got)
+	}
+	if got := seriesValues(t, m.Registry, "istio_tcp_connections_opened_total", map[string]string{"response_flags": "DENY"}); len(got) != 1 || got[0] != 2 {
+		t.Errorf("a refusal counts as opened too (as ztunnel's): %v, want [2]", got)
+	}
 }

@@ -14,6 +14,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
 	"github.com/spiffe/go-spiffe/v2/bundle/x509bundle"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
@@ -55,6 +56,9 @@ type Config struct {
 	// CA is the built-in certificate authority, used only if Issuer is nil.
 	// Its TrustDomain is the model's.
 	CA identity.CAConfig
+	// Collectors are added to the node's metrics (the model source's own,
+	// as the xDS health metrics).
+	Collectors []prometheus.Collector
 	// Captured, if set, is told after every change of capture which
 	// local mesh workloads are captured: certificate held, host link
 	// known or found, capture and inbound HBONE rules in place. With
@@ -360,6 +364,11 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	}
 	if err := n.metrics.Register(blockedCollector{n}); err != nil {
 		return fmt.Errorf("node: metrics: %w", err)
+	}
+	for _, c := range cfg.Collectors {
+		if err := n.metrics.Register(c); err != nil {
+			return fmt.Errorf("node: metrics: %w", err)
+		}
 	}
 
 	routes, err = tun.InstallRouting(dev, sinkDev, tun.RoutingConfig{

@@ -53,8 +53,16 @@ type ztWorkload struct {
 	AuthorizationPolicies []string     `json:"authorizationPolicies,omitempty"`
 	Status                string       `json:"status"`
 	ClusterID             string       `json:"clusterId"`
+	Locality              *ztLocality  `json:"locality,omitempty"`
 	Services              []string     `json:"services,omitempty"`
 	Capacity              int          `json:"capacity"`
+}
+
+// ztLocality is a workload's locality; ztunnel leaves it out when empty.
+type ztLocality struct {
+	Region  string `json:"region"`
+	Zone    string `json:"zone"`
+	Subzone string `json:"subzone"`
 }
 
 type ztService struct {
@@ -327,6 +335,9 @@ func ztunnelDump(snap *registry.Snapshot, svids *identity.Source) ztDump {
 			zw.Capacity = int(w.Capacity)
 		}
 		zw.CanonicalName, zw.CanonicalRevision = w.Canonical()
+		if l := w.Locality; l != (registry.Locality{}) {
+			zw.Locality = &ztLocality{Region: l.Region, Zone: l.Zone, Subzone: l.Subzone}
+		}
 		if zw.WorkloadIPs == nil {
 			zw.WorkloadIPs = []netip.Addr{}
 		}

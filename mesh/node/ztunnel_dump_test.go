@@ -35,6 +35,7 @@ func TestConfigDumpZtunnelShape(t *testing.T) {
 			Addresses: []netip.Addr{netip.MustParseAddr("10.0.0.1")}, Labels: map[string]string{"app": "web"},
 			UID: "Kubernetes//Pod/ns/web-5d4f-x2x", WorkloadName: "web", WorkloadType: "deployment",
 			CanonicalName: "web-canonical", CanonicalRevision: "v7", Cluster: "Kubernetes",
+			Locality: registry.Locality{Region: "eu-west1", Zone: "eu-west1-b"},
 		}},
 		Services: []*registry.Service{{Name: "web", Namespace: "ns", VIPs: []netip.Addr{netip.MustParseAddr("10.96.0.1")},
 			Ports: []registry.ServicePort{{Port: 80, TargetPort: 8080}}, Selector: map[string]string{"app": "web"}}},
@@ -88,6 +89,9 @@ func TestConfigDumpZtunnelShape(t *testing.T) {
 		if w[k] != want {
 			t.Errorf("workload %s = %v, want %v", k, w[k], want)
 		}
+	}
+	if l, _ := w["locality"].(map[string]any); l["region"] != "eu-west1" || l["zone"] != "eu-west1-b" || l["subzone"] != "" {
+		t.Errorf("workload locality = %v", w["locality"])
 	}
 	if ips, _ := w["workloadIps"].([]any); len(ips) != 1 || ips[0] != "10.0.0.1" {
 		t.Errorf("workloadIps = %v", w["workloadIps"])

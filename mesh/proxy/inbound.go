@@ -68,6 +68,21 @@ func (p *Proxy) connect(ctx context.Context, r *hbone.Request) (net.Conn, error)
 	rec := p.newRecord(srcAddr, r.Target, src, dst, "inbound", "hbone")
 	rec.srcID, rec.hboneAddr = r.Peer.String(), r.LocalAddr.String()
 	rec.service, rec.svc = serviceName(snap, r.Forwarded.Host), snap.ServiceByHostname(r.Forwarded.Host)
+	if !r.Trace.IsZero() {
+		rec.trace = r.Trace // the connection keeps its trace id across nodes
+	}
+	if ev := p.log.Debug(); ev.Enabled() {
+		ev.Str("trace_id", rec.trace.TraceIDString()).Str("peer", r.Peer.String()).Str("target", r.Target.String()).
+			Str("traceparent", r.TraceParent).Str("baggage", r.Baggage.String()).Msg(InboundRequestMessage)
+	}
+	if src == nil && r.Baggage != nil {
+		d, err := deriveSource(r.Baggage, r.Peer)
+		if err != nil {
+			p.log.Debug().Err(err).Str("peer", r.Peer.String()).Str("trace_id", rec.trace.TraceIDString()).
+				Msg("ignoring the peer's baggage")
+		}
+		rec.derived = d
+	}
 	fail := func(kind error, err error) (net.Conn, error) {
 		err = fmt.Errorf("%w: %w", kind, err)
 		rec.refused(err)
@@ -110,6 +125,11 @@ func (p *Proxy) connect(ctx context.Context, r *hbone.Request) (net.Conn, error)
 		rec.done(r.AToB, r.BToA, r.Reset)
 	}}}, nil
 }
+
+// InboundRequestMessage is the debug-level log line of an inbound HBONE
+// request: its trace id, peer, target, and the traceparent and baggage
+// it carried (as parsed; empty if absent or malformed).
+const InboundRequestMessage = "inbound HBONE request"
 
 // UnknownService is the dst.service (log and metric label) of an inbound
 // request whose forwarded host is no service the mesh knows.

@@ -29,6 +29,7 @@ func (p *Proxy) outbound(req *stack.TCPRequest, rec *record, target netip.AddrPo
 		Target:      target,
 		Forwarded:   hbone.Forwarded{For: req.Src, Host: rec.service},
 		Baggage:     baggage(rec.srcW),
+		TraceParent: rec.trace.String(),
 	})
 	cancel()
 	if err != nil {
@@ -140,13 +141,4 @@ func bindAny(fd int, src netip.Addr) (netip.AddrPort, error) {
 		return netip.AddrPortFrom(netip.AddrFrom16(a.Addr).Unmap(), uint16(a.Port)), nil
 	}
 	return netip.AddrPort{}, fmt.Errorf("unexpected socket address %T", got)
-}
-
-// baggage is the W3C baggage ztunnel sends about the source workload.
-func baggage(w *registry.Workload) hbone.Baggage {
-	return hbone.Baggage{
-		"k8s.namespace.name": w.Namespace,
-		"k8s.pod.name":       w.Name,
-		"service.name":       w.Name,
-	}
 }

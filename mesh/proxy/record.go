@@ -32,6 +32,14 @@ type record struct {
 	svc       *registry.Service
 	secure    bool     // mutual TLS (HBONE) or in-proxy with identities
 	reporters []string // "source" and/or "destination"
+	// trace is the connection's W3C trace context: the one an inbound
+	// HBONE request carried, else a new one (sent on outbound HBONE). Its
+	// trace id is in the access log of both nodes.
+	trace hbone.TraceParent
+	// derived is the source as the peer's baggage describes it, for an
+	// inbound connection whose source workload the model does not know
+	// (ztunnel's derived source); nil otherwise.
+	derived *derivedPeer
 
 	sentCtrs, recvCtrs []prometheus.Counter // per reporter, set by opened
 	// exempt, if set, ends the classifier's exemption of the upstream
@@ -48,7 +56,8 @@ func (r *record) release() {
 
 // newRecord starts the record of a connection from src to dst.
 func (p *Proxy) newRecord(src, dst netip.AddrPort, srcW, dstW *registry.Workload, direction, route string) *record {
-	r := &record{p: p, start: time.Now(), src: src, dst: dst, srcW: srcW, dstW: dstW, direction: direction, route: route}
+	r := &record{p: p, start: time.Now(), src: src, dst: dst, srcW: srcW, dstW: dstW, direction: direction, route: route,
+		trace: hbone.NewTraceParent()}
 	if srcW != nil && srcW.InMesh && direction == "outbound" {
 		r.srcID = srcW.Identity.String()
 	}
@@ -87,8 +96,11 @@ func (r *record) via(target netip.AddrPort, svc *registry.Service) *record {
 
 func (r *record) event(ev *zerolog.Event) *zerolog.Event {
 	ev.Str("src.addr", r.src.String()).Str("dst.addr", r.dst.String()).
-		Str("direction", r.direction).Str("route", r.route)
+		Str("direction", r.direction).Str("route", r.route).Str("trace_id", r.trace.TraceIDString())
 	workloadFields(ev, "src", r.srcW)
+	if r.srcW == nil && r.derived != nil {
+		r.derived.fields(ev)
+	}
 	workloadFields(ev, "dst", r.dstW)
 	if r.srcID != "" {
 		ev.Str("src.identity", r.srcID)
@@ -110,6 +122,9 @@ func workloadFields(ev *zerolog.Event, side string, w *registry.Workload) {
 		return
 	}
 	ev.Str(side+".workload", w.Name).Str(side+".namespace", w.Namespace)
+	if w.Cluster != "" {
+		ev.Str(side+".cluster", w.Cluster)
+	}
 	if w.InMesh && side == "dst" {
 		ev.Str("dst.identity", w.Identity.String())
 	}
@@ -126,6 +141,9 @@ func (r *record) labels(reporter, flags string) metrics.Conn {
 		c.SecurityPolicy = "mutual_tls"
 	}
 	c.Src, c.Dst = peer(r.srcW), peer(r.dstW)
+	if r.srcW == nil && r.derived != nil {
+		c.Src = r.derived.peer
+	}
 	c.Src.Principal = r.srcID
 	if w := r.dstW; w == nil || !w.InMesh {
 		c.Dst.Principal = ""
@@ -141,7 +159,8 @@ func peer(w *registry.Workload) metrics.Peer {
 	}
 	svc, rev := w.Canonical()
 	return metrics.Peer{Workload: w.Workload(), Namespace: w.Namespace, Principal: w.Identity.String(),
-		CanonicalService: svc, CanonicalRevision: rev, Cluster: w.Cluster}
+		CanonicalService: svc, CanonicalRevision: rev, Cluster: w.Cluster,
+		Region: w.Locality.Region, Zone: w.Locality.Zone}
 }
 
 // refused reports a connection refused before it opened.

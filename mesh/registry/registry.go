@@ -123,7 +123,6 @@ type Workload struct {
 	// labels), and its cluster. Telemetry and /config_dump report them.
 	UID, WorkloadName, WorkloadType           string
 	CanonicalName, CanonicalRevision, Cluster string
-
 	authz policy.Set // the policies that apply to the workload; set by Build
 }
 

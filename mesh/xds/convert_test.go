@@ -12,6 +12,7 @@ import (
 	"istio.io/istio/pkg/workloadapi/security"
 
 	"github.com/meshtun/meshtun/mesh/policy"
+	"github.com/meshtun/meshtun/mesh/registry"
 )
 
 func exact(s string) *security.StringMatch {
@@ -117,13 +118,14 @@ func TestUnappliablePolicyFailsClosed(t *testing.T) {
 }
 
 // istiod's names for a workload (its owner, canonical service and
-// revision, uid, cluster) reach the registry, for telemetry and
+// revision, uid, cluster, locality) reach the registry, for telemetry and
 // /config_dump.
 func TestWorkloadKeepsIstiodNames(t *testing.T) {
 	c := &converter{td: spiffeid.RequireTrustDomainFromString("cluster.local"), root: "istio-system"}
 	in := wl("ns", "web-5d4f-x2x", "10.0.0.1", "n1").GetWorkload()
 	in.WorkloadName, in.WorkloadType = "web", workloadapi.WorkloadType_DEPLOYMENT
 	in.CanonicalName, in.CanonicalRevision, in.ClusterId = "web-svc", "v2", "Kubernetes"
+	in.Locality = &workloadapi.Locality{Region: "eu-west1", Zone: "eu-west1-b", Subzone: "rack7"}
 	out, err := c.workload(in)
 	if err != nil {
 		t.Fatal(err)
@@ -133,5 +135,8 @@ func TestWorkloadKeepsIstiodNames(t *testing.T) {
 		w.CanonicalName != "web-svc" || w.CanonicalRevision != "v2" || w.Cluster != "Kubernetes" {
 		t.Errorf("converted workload = uid %q name %q type %q canonical %q/%q cluster %q",
 			w.UID, w.WorkloadName, w.WorkloadType, w.CanonicalName, w.CanonicalRevision, w.Cluster)
+	}
+	if want := (registry.Locality{Region: "eu-west1", Zone: "eu-west1-b", Subzone: "rack7"}); w.Locality != want {
+		t.Errorf("locality %+v, want %+v", w.Locality, want)
 	}
 }

@@ -51,6 +51,7 @@ import (
 	"istio.io/istio/pkg/workloadapi"
 	"istio.io/istio/pkg/workloadapi/security"
 
+	"github.com/meshtun/meshtun/mesh/metrics"
 	"github.com/meshtun/meshtun/mesh/policy"
 	"github.com/meshtun/meshtun/mesh/registry"
 )
@@ -134,9 +135,11 @@ type Status struct {
 	// Address is istiod's.
 	Address   string `json:"address"`
 	Connected bool   `json:"connected"`
-	// Connects counts the streams opened; LastDisconnect says why the
-	// last one ended.
+	// Connects counts the streams opened; Disconnects those that ended
+	// and the attempts to open one that failed; LastDisconnect says why
+	// the last one ended.
 	Connects       int    `json:"connects"`
+	Disconnects    int    `json:"disconnects"`
 	LastDisconnect string `json:"lastDisconnect,omitempty"`
 	// Built is when the last snapshot was built; Builds counts them.
 	Built  time.Time `json:"built"`
@@ -156,6 +159,27 @@ type Status struct {
 	// them.
 	Conflicts int `json:"conflicts"`
 	Refused   int `json:"refused"`
+	// Types is what each subscribed type's responses were, by type URL.
+	Types map[string]TypeStatus `json:"types,omitempty"`
+}
+
+// TypeStatus is what istiod sent of one resource type, for the xDS
+// health metrics (metrics.XDS).
+type TypeStatus struct {
+	// Responses and Bytes count the responses received and the bytes of
+	// their resources (ztunnel's istio_xds_message_total and
+	// istio_xds_message_bytes_total).
+	Responses uint64 `json:"responses"`
+	Bytes     uint64 `json:"bytes"`
+	// ACKs and NACKs count the responses answered each way; LastACK and
+	// LastNACK are when the last of each was sent.
+	ACKs     uint64    `json:"acks"`
+	NACKs    uint64    `json:"nacks"`
+	LastACK  time.Time `json:"lastAck,omitzero"`
+	LastNACK time.Time `json:"lastNack,omitzero"`
+	// Resources is how many resources of the type the source holds (as
+	// istiod sent them, whether applied or refused).
+	Resources int `json:"resources"`
 }
 
 // Source follows istiod and builds snapshots of the mesh: a
@@ -290,7 +314,47 @@ func (s *Source) ProbePorts(ports map[registry.WorkloadRef][]uint16) {
 func (s *Source) Status() Status {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.status
+	st := s.status
+	st.Types = maps.Clone(st.Types)
+	return st
+}
+
+// MetricsStats is the source's status as the xDS health metrics read it
+// (metrics.XDS).
+func (s *Source) MetricsStats() metrics.XDSStats {
+	st := s.Status()
+	m := metrics.XDSStats{Connected: st.Connected, Connects: uint64(st.Connects), Disconnects: uint64(st.Disconnects),
+		Types: make(map[string]metrics.XDSType, len(st.Types))}
+	for url, t := range st.Types {
+		m.Types[url] = metrics.XDSType{Responses: t.Responses, Bytes: t.Bytes, ACKs: t.ACKs, NACKs: t.NACKs,
+			LastACK: t.LastACK, LastNACK: t.LastNACK, Resources: t.Resources}
+	}
+	return m
+}
+
+// count records a response of typeURL whose resources hold n bytes, and
+// its answer. s.mu is held.
+func (s *Source) count(typeURL string, n int, nack bool, at time.Time) {
+	if s.status.Types == nil {
+		s.status.Types = make(map[string]TypeStatus, len(Types))
+	}
+	t := s.status.Types[typeURL]
+	t.Responses++
+	t.Bytes += uint64(n)
+	if nack {
+		t.NACKs++
+		t.LastNACK = at
+	} else {
+		t.ACKs++
+		t.LastACK = at
+	}
+	switch typeURL {
+	case AddressType:
+		t.Resources = len(s.st.addrs)
+	case AuthorizationType:
+		t.Resources = len(s.st.authz)
+	}
+	s.status.Types[typeURL] = t
 }
 
 var _ registry.Source = (*Source)(nil)
@@ -308,6 +372,7 @@ func (s *Source) run(ctx context.Context) {
 		}
 		s.mu.Lock()
 		s.status.Connected = false
+		s.status.Disconnects++
 		s.status.LastDisconnect = err.Error()
 		s.mu.Unlock()
 		if time.Since(start) > s.cfg.MaxBackoff {

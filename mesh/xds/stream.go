@@ -9,6 +9,7 @@ import (
 	"os"
 	"slices"
 	"strings"
+	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discoveryv3 "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
@@ -98,6 +99,9 @@ func (s *Source) stream(ctx context.Context) error {
 		} else {
 			s.status.ACKs++
 		}
+		if slices.Contains(Types, resp.TypeUrl) { // bounded: no label for a type istiod made up
+			s.count(resp.TypeUrl, resourceBytes(resp.Resources), nack != "", time.Now())
+		}
 		s.mu.Unlock()
 		if nack != "" {
 			s.log.Warn().Str("type", resp.TypeUrl).Str("nonce", resp.Nonce).Str("error", nack).Msg("NACK")
@@ -108,6 +112,16 @@ func (s *Source) stream(ctx context.Context) error {
 			return fmt.Errorf("istiod %s: ack: %w", s.cfg.Address, err)
 		}
 	}
+}
+
+// resourceBytes is the size of the resources' bodies, as ztunnel counts
+// istio_xds_message_bytes_total.
+func resourceBytes(rs []*discoveryv3.Resource) int {
+	n := 0
+	for _, r := range rs {
+		n += len(r.GetResource().GetValue())
+	}
+	return n
 }
 
 // node is the node ztunnel presents: its ID names the proxy type

@@ -57,7 +57,8 @@ type DialRequest struct {
 	Endpoint netip.AddrPort
 	// Target is the :authority, <destination pod IP>:<target port>.
 	Target netip.AddrPort
-	// Forwarded, Baggage and TraceParent are sent when not empty.
+	// Forwarded, Baggage and TraceParent are sent when not empty;
+	// TraceParent must be a valid traceparent (TraceParent.String).
 	Forwarded   Forwarded
 	Baggage     Baggage
 	TraceParent string
@@ -146,6 +147,11 @@ func (c *Client) Dial(ctx context.Context, r DialRequest) (*Conn, error) {
 	}
 	if err := r.Baggage.validate(); err != nil {
 		return nil, fmt.Errorf("hbone: dial %s: %w", r.Target, err)
+	}
+	if r.TraceParent != "" {
+		if _, err := ParseTraceParent(r.TraceParent); err != nil {
+			return nil, fmt.Errorf("hbone: dial %s: %w", r.Target, err)
+		}
 	}
 	fields := requestFields(r)
 	key := poolKey{src: r.Source, dst: r.Destination, endpoint: r.Endpoint}

@@ -310,25 +310,51 @@ func parseNode(v string) (netip.AddrPort, error) {
 
 // Baggage holds W3C baggage members (https://www.w3.org/TR/baggage/) by key.
 // ztunnel sends k8s.cluster.name, k8s.namespace.name, k8s.<kind>.name,
-// service.name and service.version.
+// service.name, service.version and, when known, cloud.region and
+// cloud.availability_zone.
 type Baggage map[string]string
 
+// Bounds of a baggage header, the W3C recommendation's: a receiver need
+// not take more.
+const (
+	MaxBaggageBytes   = 8192
+	MaxBaggageMembers = 64
+)
+
 // ParseBaggage parses a baggage header value. Member properties (after ';')
-// are dropped; values are percent-decoded. A member without '=' or with an
-// empty key is an error.
+// are dropped; values are percent-decoded; empty list members are
+// skipped. A member without '=', a key that is not a token, a value with
+// an octet the grammar does not allow, or a header over MaxBaggageBytes or
+// MaxBaggageMembers is an error: the header as a whole is then to be
+// ignored (it is the peer's claim, never a reason to refuse a connection).
 func ParseBaggage(s string) (Baggage, error) {
+	if len(s) > MaxBaggageBytes {
+		return nil, fmt.Errorf("baggage of %d bytes: over %d", len(s), MaxBaggageBytes)
+	}
 	if strings.TrimSpace(s) == "" {
 		return nil, nil
 	}
 	b := Baggage{}
 	for _, member := range strings.Split(s, ",") {
 		member, _, _ = strings.Cut(member, ";")
+		if strings.TrimSpace(member) == "" {
+			continue
+		}
+		if len(b) == MaxBaggageMembers {
+			return nil, fmt.Errorf("baggage %q: over %d members", s, MaxBaggageMembers)
+		}
 		k, v, ok := strings.Cut(member, "=")
 		k = strings.TrimSpace(k)
 		if !ok || k == "" || !allToken(k) {
 			return nil, fmt.Errorf("baggage %q: member %q is not key=value", s, strings.TrimSpace(member))
 		}
-		v, err := url.PathUnescape(strings.TrimSpace(v))
+		v = strings.Trim(v, " \t")
+		for i := 0; i < len(v); i++ {
+			if !isBaggageOctet(v[i]) && v[i] != '%' {
+				return nil, fmt.Errorf("baggage %q: value of %q has the octet %#x", s, k, v[i])
+			}
+		}
+		v, err := url.PathUnescape(v)
 		if err != nil {
 			return nil, fmt.Errorf("baggage %q: value of %q: %w", s, k, err)
 		}
@@ -364,10 +390,16 @@ func (b Baggage) String() string {
 }
 
 func (b Baggage) validate() error {
+	if len(b) > MaxBaggageMembers {
+		return fmt.Errorf("baggage of %d members: over %d", len(b), MaxBaggageMembers)
+	}
 	for k := range b {
 		if k == "" || !allToken(k) {
 			return fmt.Errorf("baggage key %q is not a token", k)
 		}
+	}
+	if n := len(b.String()); n > MaxBaggageBytes {
+		return fmt.Errorf("baggage of %d bytes: over %d", n, MaxBaggageBytes)
 	}
 	return nil
 }

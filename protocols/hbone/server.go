@@ -38,10 +38,14 @@ type Request struct {
 	LocalAddr netip.AddrPort
 	// Forwarded is the parsed forwarded header; zero if absent.
 	Forwarded Forwarded
-	// Baggage is the parsed baggage header; nil if absent.
+	// Baggage is the parsed baggage header; nil if absent or malformed
+	// (ParseBaggage: then ignored, as ztunnel does).
 	Baggage Baggage
-	// TraceParent is the traceparent header as sent, "" if absent.
+	// TraceParent is the traceparent header as sent and Trace the same
+	// parsed; "" and zero if absent, sent twice or malformed
+	// (ParseTraceParent).
 	TraceParent string
+	Trace       TraceParent
 	// Header holds all request headers. Read only.
 	Header http.Header
 }
@@ -708,18 +712,39 @@ func (sc *serverConn) parse(f *http2.MetaHeadersFrame) (*Request, int, error) {
 		return req, http.StatusBadRequest, fmt.Errorf("%w: :authority %q is not a connectable address", ErrBadRequest, authority)
 	}
 	req.Target = netip.AddrPortFrom(target.Addr().Unmap(), target.Port())
-	req.TraceParent = req.Header.Get(HeaderTraceParent)
 	if v := req.Header.Values(HeaderForwarded); len(v) > 0 {
 		if req.Forwarded, err = ParseForwarded(strings.Join(v, ",")); err != nil {
 			return req, http.StatusBadRequest, fmt.Errorf("%w: %v", ErrBadRequest, err)
 		}
 	}
+	sc.parseTelemetry(req)
+	return req, 0, nil
+}
+
+// parseTelemetry reads a request's baggage and traceparent. They are the
+// peer's telemetry claims, not part of the request's meaning: malformed
+// or oversized ones are ignored (logged at debug level), never a reason
+// to refuse the connection, as ztunnel ignores them.
+func (sc *serverConn) parseTelemetry(req *Request) {
+	if v := req.Header.Values(HeaderTraceParent); len(v) == 1 {
+		tp, err := ParseTraceParent(v[0])
+		if err != nil {
+			sc.log.Debug().Err(err).Str("authority", req.Target.String()).Msg("hbone: ignoring a malformed traceparent")
+		} else {
+			req.TraceParent = v[0]
+			req.Trace = tp
+		}
+	} else if len(v) > 1 {
+		sc.log.Debug().Int("count", len(v)).Str("authority", req.Target.String()).Msg("hbone: ignoring traceparent sent more than once")
+	}
 	if v := req.Header.Values(HeaderBaggage); len(v) > 0 {
-		if req.Baggage, err = ParseBaggage(strings.Join(v, ",")); err != nil {
-			return req, http.StatusBadRequest, fmt.Errorf("%w: %v", ErrBadRequest, err)
+		b, err := ParseBaggage(strings.Join(v, ","))
+		if err != nil {
+			sc.log.Debug().Err(err).Str("authority", req.Target.String()).Msg("hbone: ignoring malformed baggage")
+		} else {
+			req.Baggage = b
 		}
 	}
-	return req, 0, nil
 }
 
 // respond answers status with err's text as the body, ends the stream and

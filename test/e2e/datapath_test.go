@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"net/netip"
 	"slices"
@@ -19,6 +20,8 @@ import (
 
 	"github.com/meshtun/meshtun/bench/cluster"
 	"github.com/meshtun/meshtun/bench/noderun"
+	"github.com/meshtun/meshtun/mesh/proxy"
+	"github.com/meshtun/meshtun/protocols/hbone"
 )
 
 const bulk = 64 << 20 // bytes each way in the byte-exact transfers
@@ -83,6 +86,43 @@ func accessLog(t testing.TB, m nodeProc, client net.Conn, message string) noderu
 	return l
 }
 
+// sameTrace checks that one connection's access-log lines on the
+// client's node (out) and the server's (in) carry the same W3C trace id,
+// sent in the CONNECT's traceparent, and that the server's node received
+// the source's baggage with ztunnel's keys (its debug line of the
+// request). The nodes' config gives the pods no owner or app label: the
+// workload is k8s.pod.name and the canonical service falls back to the
+// pod's name, the revision to "latest".
+func sameTrace(t testing.TB, in nodeProc, outLine, inLine noderun.Line, srcPod string) {
+	t.Helper()
+	trace := outLine.Str("trace_id")
+	if len(trace) != 32 || strings.Trim(trace, "0123456789abcdef") != "" {
+		t.Fatalf("outbound access log trace_id %q: want 32 lowercase hex digits (line %v)", trace, outLine)
+	}
+	if got := inLine.Str("trace_id"); got != trace {
+		t.Errorf("inbound access log trace_id %q, want the outbound side's %q", got, trace)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	req, err := in.WaitLog(ctx, func(l noderun.Line) bool {
+		return l.Str("message") == proxy.InboundRequestMessage && l.Str("trace_id") == trace
+	})
+	if err != nil {
+		t.Fatalf("no %q line with trace_id %s on %s: %v", proxy.InboundRequestMessage, trace, in.Node.Name(), err)
+	}
+	if tp := req.Str("traceparent"); !strings.HasPrefix(tp, "00-"+trace+"-") {
+		t.Errorf("traceparent received %q, want version 00 with trace id %s", tp, trace)
+	}
+	b, err := hbone.ParseBaggage(req.Str("baggage"))
+	if err != nil {
+		t.Fatalf("baggage received %q: %v", req.Str("baggage"), err)
+	}
+	want := hbone.Baggage{"k8s.namespace.name": "default", "k8s.pod.name": srcPod, "service.name": srcPod, "service.version": "latest"}
+	if !maps.Equal(b, want) {
+		t.Errorf("baggage received %v, want %v", b, want)
+	}
+}
+
 func localAddr(c net.Conn) netip.AddrPort {
 	a := c.LocalAddr().(*net.TCPAddr).AddrPort()
 	return netip.AddrPortFrom(a.Addr().Unmap(), a.Port())
@@ -133,6 +173,7 @@ func TestDataPath(t *testing.T) {
 		wantFields(t, out, "route", "hbone", "direction", "outbound", "src.identity", id(srcPod), "dst.identity", id(dstPod))
 		in := accessLog(t, m2, client, "connection complete")
 		wantFields(t, in, "route", "hbone", "direction", "inbound", "src.identity", id(srcPod))
+		sameTrace(t, m2, out, in, srcPod)
 	}
 	// passthrough asserts that a connection went through node m's proxy
 	// to a destination outside the mesh (its access log says so) and that

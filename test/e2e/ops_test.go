@@ -159,6 +159,14 @@ func TestOperations(t *testing.T) {
 			if got := value(fams, "istio_tcp_connections_opened_total", denied); got != 1 {
 				t.Errorf("%s denied connections = %v, want 1", side.node.Name(), got)
 			}
+			// ztunnel's failed counter: the denied connection, not the
+			// ones that went through.
+			if got := value(fams, "istio_tcp_connections_failed_total", denied); got != 1 {
+				t.Errorf("%s istio_tcp_connections_failed_total%v = %v, want 1", side.node.Name(), denied, got)
+			}
+			if got := value(fams, "istio_tcp_connections_failed_total", ok); got != 0 {
+				t.Errorf("%s istio_tcp_connections_failed_total%v = %v, want 0", side.node.Name(), ok, got)
+			}
 			if got := value(fams, "meshtun_bytes_total", map[string]string{"verdict": "intercept", "protocol": "tcp"}); got < conns*up {
 				t.Errorf("%s meshtun_bytes_total{verdict=intercept,protocol=tcp} = %v, want at least the %v payload bytes", side.node.Name(), got, conns*up)
 			}

@@ -14,6 +14,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -321,7 +322,8 @@ func TestIstiod(t *testing.T) {
 			"--ca-address", istiod.Addr.String(), "--ca-server-name", istiod.ServerName, "--ca-root-cert", root,
 			"--pod-name", "meshtun-"+noderun.NodeName(n), "--pod-namespace", "istio-system",
 			"--service-account", "ztunnel", "--instance-ip", n.IPv4.String(), "--cluster-id", "Kubernetes",
-			"--redirect-pods", "--kubeconfig", kubeconfig)
+			"--redirect-pods", "--kubeconfig", kubeconfig,
+			"--log-level", "debug") // the inbound side's debug line of each HBONE request shows its baggage
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -382,6 +384,31 @@ func TestIstiod(t *testing.T) {
 			in := waitLog(t, m2, 0, "inbound access log", accessLine(netip.MustParseAddrPort(out.Str("src.addr"))))
 			wantField(t, in, "direction", "inbound")
 			wantField(t, in, "src.identity", spiffe("apps", "client"))
+			// One trace id on both nodes; istiod's cluster id on both ends.
+			trace := out.Str("trace_id")
+			if len(trace) != 32 {
+				t.Errorf("outbound trace_id %q, want 32 hex digits", trace)
+			}
+			wantField(t, in, "trace_id", trace)
+			for _, l := range []noderun.Line{out, in} {
+				wantField(t, l, "src.cluster", "Kubernetes")
+				wantField(t, l, "dst.cluster", "Kubernetes")
+			}
+			// The baggage as ztunnel's: istiod's canonical revision (v1,
+			// from the pod's version label, which WDS alone carries) and
+			// cluster, not the pod's name as the service.
+			req := waitLog(t, m2, 0, "inbound HBONE request "+trace, func(l noderun.Line) bool {
+				return l.Str("message") == "inbound HBONE request" && l.Str("trace_id") == trace
+			})
+			bag := req.Str("baggage")
+			for _, kv := range []string{"k8s.cluster.name=Kubernetes", "k8s.namespace.name=apps", "service.name=client", "service.version=v1"} {
+				if !slices.Contains(strings.Split(bag, ","), kv) {
+					t.Errorf("baggage received %q has no %s", bag, kv)
+				}
+			}
+			if !regexp.MustCompile(`(^|,)k8s\.(deployment|pod|job|cronjob)\.name=client(,|$)`).MatchString(bag) {
+				t.Errorf("baggage received %q names no workload client under k8s.<type>.name", bag)
+			}
 		}
 	})
 
@@ -422,6 +449,18 @@ func TestIstiod(t *testing.T) {
 		}
 		if !ok {
 			t.Errorf("no istio_tcp_connections_opened_total series of node 1 with istiod's canonical services client -> server and cluster:\n%s", body)
+		}
+		// xDS health: connected, istiod's addresses held, ACKs sent.
+		for _, re := range []string{
+			`(?m)^meshtun_xds_connected 1$`,
+			`(?m)^meshtun_xds_resources\{type_url="type.googleapis.com/istio.workload.Address"\} [1-9][0-9]*$`,
+			`(?m)^meshtun_xds_responses_total\{answer="ack",type_url="type.googleapis.com/istio.workload.Address"\} [1-9][0-9]*$`,
+			`(?m)^meshtun_xds_last_ack_timestamp_seconds\{type_url="type.googleapis.com/istio.security.Authorization"\} `,
+			`(?m)^istio_xds_message_total\{url="type.googleapis.com/istio.workload.Address"\} [1-9][0-9]*$`,
+		} {
+			if !regexp.MustCompile(re).MatchString(body) {
+				t.Errorf("node 1's metrics do not match %s", re)
+			}
 		}
 	})
 
