@@ -58,7 +58,16 @@ type segment struct {
 // be present.
 func parse(pkt []byte, strict bool, seg *segment) (parseResult, DropReason) {
 	var h IPHeader
-	if r := ParseIP(pkt, strict, &h); r != NoDrop {
+	r := BadVersion
+	switch {
+	case len(pkt) == 0:
+		r = TooShort
+	case pkt[0]>>4 == 4:
+		r = parseIPv4(pkt, strict, &h)
+	case pkt[0]>>4 == 6:
+		r = parseIPv6(pkt, strict, &h)
+	}
+	if r != NoDrop {
 		return parsedMalformed, r
 	}
 	if h.Fragment {
