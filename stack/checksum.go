@@ -1,64 +1,30 @@
 package stack
 
 import (
-	"encoding/binary"
-
 	"gvisor.dev/gvisor/pkg/tcpip"
 	"gvisor.dev/gvisor/pkg/tcpip/checksum"
 	"gvisor.dev/gvisor/pkg/tcpip/header"
+
+	"github.com/meshtun/meshtun/stack/classify"
 )
 
 // tcpSegment locates the TCP segment in pkt, an IPv4 or IPv6 packet: the
-// addresses for the pseudo-header and the segment's bounds [off, end). It
-// walks the IPv6 extension headers the classifier lets through to TCP
-// (hop-by-hop, routing, destination options). ok is false if pkt is not a
-// well-formed TCP packet.
+// addresses for the pseudo-header and the segment's bounds [off, end). The
+// IP header is read by the classifier's parser (classify.ParseIP, strict:
+// the length field must fit in pkt), which walks the IPv6 extension
+// headers the classifier lets through to TCP. ok is false if pkt is not a
+// well-formed, unfragmented TCP packet.
 func tcpSegment(pkt []byte) (src, dst tcpip.Address, off, end int, ok bool) {
-	switch header.IPVersion(pkt) {
-	case header.IPv4Version:
-		if len(pkt) < header.IPv4MinimumSize {
-			return
-		}
-		off = int(pkt[0]&0x0f) * 4
-		end = int(binary.BigEndian.Uint16(pkt[2:4]))
-		if off < header.IPv4MinimumSize || end < off || end > len(pkt) || pkt[9] != uint8(header.TCPProtocolNumber) {
-			return
-		}
-		src, dst = tcpip.AddrFrom4Slice(pkt[12:16]), tcpip.AddrFrom4Slice(pkt[16:20])
-	case header.IPv6Version:
-		if len(pkt) < header.IPv6MinimumSize {
-			return
-		}
-		end = header.IPv6MinimumSize + int(binary.BigEndian.Uint16(pkt[4:6]))
-		if end > len(pkt) {
-			return
-		}
-		next := pkt[6]
-		off = header.IPv6MinimumSize
-		for i := 0; next != uint8(header.TCPProtocolNumber); i++ {
-			switch next {
-			case 0, 43, 60:
-			default:
-				return
-			}
-			if i == 8 || end-off < 8 {
-				return
-			}
-			l := (int(pkt[off+1]) + 1) * 8
-			if end-off < l {
-				return
-			}
-			next = pkt[off]
-			off += l
-		}
-		src, dst = tcpip.AddrFrom16Slice(pkt[8:24]), tcpip.AddrFrom16Slice(pkt[24:40])
-	default:
+	var h classify.IPHeader
+	if classify.ParseIP(pkt, true, &h) != classify.NoDrop || h.Fragment || h.Proto != uint8(header.TCPProtocolNumber) {
 		return
 	}
+	off, end = h.L4, h.End
 	if end-off < header.TCPMinimumSize || end-off > 0xffff {
 		return
 	}
-	return src, dst, off, end, true
+	s, d := h.Addrs(pkt)
+	return tcpip.AddrFromSlice(s), tcpip.AddrFromSlice(d), off, end, true
 }
 
 // checksumsValid verifies the IPv4 header checksum and the TCP checksum of

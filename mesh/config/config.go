@@ -309,8 +309,8 @@ type To struct {
 	wrapped   bool
 }
 
-// l7Field is an HTTP field of a source or operation, where the file has it.
-type l7Field struct{ name, path string }
+// l7Field is an HTTP field of a source or operation, by name.
+type l7Field struct{ name string }
 
 // Source matches the peer of a connection.
 type Source struct {

@@ -338,7 +338,7 @@ func (d *decoder) decodeStruct(n *yaml.Node, v reflect.Value, path string) {
 			seen[k.Value] = true
 			var vals []string
 			d.decode(val, reflect.ValueOf(&vals).Elem(), kp, "")
-			f := l7Field{name: k.Value, path: kp}
+			f := l7Field{name: k.Value}
 			switch x := v.Addr().Interface().(type) {
 			case *Source:
 				x.l7 = append(x.l7, f)

@@ -1,7 +1,6 @@
 package config
 
 import (
-	"errors"
 	"fmt"
 	"math/big"
 	"net"
@@ -562,7 +561,49 @@ func familyName(a netip.Addr) string {
 
 var policyFieldRE = regexp.MustCompile(`^rules\[(\d+)\]\.(from|to)\[(\d+)\]`)
 
-// policyPath turns a policy.FieldError path into the path of the field in
+// istio returns the policy as policy.FromIstio takes it.
+func (ap *AuthorizationPolicy) istio() policy.Istio {
+	in := policy.Istio{
+		Name: ap.Name, Namespace: ap.Namespace, Selector: ap.Selector, Action: ap.Action,
+		HasProvider: ap.Provider != nil,
+	}
+	switch {
+	case ap.TargetRef != nil:
+		in.TargetRef = "targetRef"
+	case len(ap.TargetRefs) > 0:
+		in.TargetRef = "targetRefs"
+	}
+	for _, r := range ap.Rules {
+		pr := policy.Rule{}
+		for _, f := range r.From {
+			s := f.Source
+			ps := policy.Source{
+				Principals: s.Principals, NotPrincipals: s.NotPrincipals,
+				Namespaces: s.Namespaces, NotNamespaces: s.NotNamespaces,
+				ServiceAccounts: s.ServiceAccounts, NotServiceAccounts: s.NotServiceAccounts,
+				IPBlocks: s.IPBlocks, NotIPBlocks: s.NotIPBlocks,
+			}
+			for _, f := range s.l7 {
+				ps.L7 = append(ps.L7, f.name)
+			}
+			pr.From = append(pr.From, ps)
+		}
+		for _, t := range r.To {
+			po := policy.Operation{Ports: t.Operation.Ports, NotPorts: t.Operation.NotPorts}
+			for _, f := range t.Operation.l7 {
+				po.L7 = append(po.L7, f.name)
+			}
+			pr.To = append(pr.To, po)
+		}
+		for _, w := range r.When {
+			pr.When = append(pr.When, policy.Condition{Key: w.Key, Values: w.Values, NotValues: w.NotValues})
+		}
+		in.Rules = append(in.Rules, pr)
+	}
+	return in
+}
+
+// policyPath turns a policy.Problem path into the path of the field in
 // the file, where the source or operation may be wrapped in Istio's
 // {source: …} / {operation: …}.
 func policyPath(ap *AuthorizationPolicy, fp string) string {
@@ -585,31 +626,6 @@ func policyPath(ap *AuthorizationPolicy, fp string) string {
 		return fp
 	}
 	return fp[:m[1]] + "." + key + fp[m[1]:]
-}
-
-// l7Effect says what a rule with HTTP attributes does under action, as
-// Istio's ztunnel enforces it.
-func l7Effect(a policy.Action) string {
-	switch a {
-	case policy.Deny:
-		return "this DENY rule is enforced on its L4 part alone (it denies more than asked, as in Istio ambient)"
-	case policy.Audit:
-		return "this AUDIT rule is matched on its L4 part alone"
-	}
-	return "this ALLOW rule matches nothing (it allows less than asked, as in Istio ambient)"
-}
-
-// qualifySAs turns Istio's "<service account>" (in the policy's
-// namespace) into "<namespace>/<service account>".
-func qualifySAs(ns string, sas []string) []string {
-	var out []string
-	for _, s := range sas {
-		if s != "" && !strings.Contains(s, "/") && !strings.Contains(s, "*") {
-			s = ns + "/" + s
-		}
-		out = append(out, s)
-	}
-	return out
 }
 
 func (c *Config) validatePolicies(d *decoder) {
@@ -637,77 +653,19 @@ func (c *Config) validatePolicies(d *decoder) {
 		if ap.Action == "" {
 			ap.Action = "ALLOW"
 		}
-		action, err := policy.ParseAction(ap.Action)
-		switch {
-		case errors.Is(err, policy.ErrCustom):
-			// As Istio's ztunnel: a CUSTOM policy is not loaded.
-			d.warnf(p+".action", "%v: policy %s/%s is ignored (its requests are not sent to any authorizer)", err, ap.Namespace, ap.Name)
-			continue
-		case err != nil:
-			d.errorf(p+".action", "%v", err)
-		case ap.Provider != nil:
-			d.errorf(p+".provider", "is only for action CUSTOM")
+		built, probs := policy.FromIstio(ap.istio())
+		for _, pr := range probs {
+			if pr.Path == "name" || pr.Path == "namespace" {
+				continue // reported above
+			}
+			fp := join(p, policyPath(ap, pr.Path))
+			if pr.Warning {
+				d.warnf(fp, "%s", pr.Reason)
+			} else {
+				d.errorf(fp, "%s", pr.Reason)
+			}
 		}
-		if ap.TargetRef != nil || len(ap.TargetRefs) > 0 {
-			// As Istio's ztunnel: such a policy is for a waypoint.
-			tp := p + ".targetRefs"
-			if ap.TargetRef != nil {
-				tp = p + ".targetRef"
-			}
-			d.warnf(tp, "policy %s/%s targets a waypoint or gateway, not workloads: a node proxy ignores it", ap.Namespace, ap.Name)
-			continue
-		}
-		pp := policy.Policy{Name: ap.Name, Namespace: ap.Namespace, Selector: ap.Selector, Action: action}
-		for ri, r := range ap.Rules {
-			var pr policy.Rule
-			var l7 []l7Field
-			for _, f := range r.From {
-				s := f.Source
-				ps := policy.Source{
-					Principals: s.Principals, NotPrincipals: s.NotPrincipals,
-					Namespaces: s.Namespaces, NotNamespaces: s.NotNamespaces,
-					ServiceAccounts:    qualifySAs(ap.Namespace, s.ServiceAccounts),
-					NotServiceAccounts: qualifySAs(ap.Namespace, s.NotServiceAccounts),
-					IPBlocks:           s.IPBlocks, NotIPBlocks: s.NotIPBlocks,
-				}
-				for _, f := range s.l7 {
-					ps.L7 = append(ps.L7, f.name)
-				}
-				l7 = append(l7, s.l7...)
-				pr.From = append(pr.From, ps)
-			}
-			for _, t := range r.To {
-				po := policy.Operation{Ports: t.Operation.Ports, NotPorts: t.Operation.NotPorts}
-				for _, f := range t.Operation.l7 {
-					po.L7 = append(po.L7, f.name)
-				}
-				l7 = append(l7, t.Operation.l7...)
-				pr.To = append(pr.To, po)
-			}
-			for wi, w := range r.When {
-				pr.When = append(pr.When, policy.Condition{Key: w.Key, Values: w.Values, NotValues: w.NotValues})
-				if policy.IsL7Key(w.Key) {
-					l7 = append(l7, l7Field{name: w.Key, path: fmt.Sprintf("%s.rules[%d].when[%d].key", p, ri, wi)})
-				}
-			}
-			for _, f := range l7 {
-				d.warnf(f.path, "%s is an HTTP (L7) attribute, which an L4 proxy cannot see: %s", f.name, l7Effect(action))
-			}
-			pp.Rules = append(pp.Rules, pr)
-		}
-		built, err := policy.New(pp)
-		var ve *policy.ValidationError
-		switch {
-		case errors.As(err, &ve):
-			for _, fe := range ve.Fields {
-				if fe.Path == "name" || fe.Path == "namespace" {
-					continue // reported above
-				}
-				d.errorf(join(p, policyPath(ap, fe.Path)), "%s", fe.Reason)
-			}
-			continue
-		case err != nil:
-			d.errorf(p, "%v", err)
+		if built == nil {
 			continue
 		}
 		c.policies = append(c.policies, built)

@@ -17,6 +17,8 @@ import (
 	"strings"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
+
+	"github.com/meshtun/meshtun/mesh/identity/workloadid"
 )
 
 // WorkloadID returns the SPIFFE ID of the Kubernetes service account sa in
@@ -25,7 +27,7 @@ func WorkloadID(td spiffeid.TrustDomain, ns, sa string) (spiffeid.ID, error) {
 	if td.IsZero() {
 		return spiffeid.ID{}, fmt.Errorf("identity: workload ID for namespace %q, service account %q: empty trust domain", ns, sa)
 	}
-	id, err := spiffeid.FromSegments(td, "ns", ns, "sa", sa)
+	id, err := workloadid.New(td, ns, sa)
 	if err != nil {
 		return spiffeid.ID{}, fmt.Errorf("identity: workload ID for namespace %q, service account %q in %s: %w", ns, sa, td, err)
 	}
@@ -35,11 +37,11 @@ func WorkloadID(td spiffeid.TrustDomain, ns, sa string) (spiffeid.ID, error) {
 // ParseWorkloadID splits a workload SPIFFE ID into its namespace and service
 // account. It fails for IDs whose path is not exactly /ns/<ns>/sa/<sa>.
 func ParseWorkloadID(id spiffeid.ID) (ns, sa string, err error) {
-	parts := strings.Split(strings.TrimPrefix(id.Path(), "/"), "/")
-	if len(parts) != 4 || parts[0] != "ns" || parts[2] != "sa" || parts[1] == "" || parts[3] == "" {
+	ns, sa, ok := workloadid.Split(id.Path())
+	if !ok {
 		return "", "", fmt.Errorf("identity: %q is not a workload ID of the form spiffe://<trust-domain>/ns/<namespace>/sa/<service-account>", id.String())
 	}
-	return parts[1], parts[3], nil
+	return ns, sa, nil
 }
 
 // NodeID returns the SPIFFE ID of the meshtun node proxy named node, the

@@ -3,6 +3,7 @@ package kube
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"sort"
 	"strconv"
 	"sync"
@@ -18,7 +19,6 @@ import (
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/tools/cache"
 
-	"github.com/meshtun/meshtun/mesh/config"
 	"github.com/meshtun/meshtun/mesh/policy"
 	"github.com/meshtun/meshtun/mesh/registry"
 )
@@ -135,10 +135,11 @@ func (is *istio) informer(resource schema.GroupVersionResource, resync time.Dura
 }
 
 // policies returns the AuthorizationPolicies as the policy engine's
-// policies, through the config file's own decoding (the same fields,
-// warnings and ambient rules). A policy that does not decode is replaced
-// by an ALLOW policy without rules for the same selector: its workloads
-// allow nothing until it is fixed (fail closed), and the error is logged.
+// policies, converted by policy.FromIstio (as the config file's and
+// istiod's: the same warnings and ambient rules). A policy that does not
+// decode is replaced by an ALLOW policy without rules for the same
+// selector (policy.AllowNothing): its workloads allow nothing until it is
+// fixed (fail closed), and the error is logged.
 func (s *Source) policies() []*policy.Policy {
 	is := s.istio
 	if is == nil {
@@ -179,46 +180,47 @@ func key(o any) string {
 	return ""
 }
 
-// parsePolicy decodes one AuthorizationPolicy object.
+// parsePolicy decodes one AuthorizationPolicy object and converts it with
+// policy.FromIstio, logging its warnings.
 func (s *Source) parsePolicy(u *unstructured.Unstructured) []*policy.Policy {
 	name := "AuthorizationPolicy " + u.GetNamespace() + "/" + u.GetName()
-	spec, _, _ := unstructured.NestedMap(u.Object, "spec")
-	ap := map[string]any{}
-	for k, v := range spec {
-		ap[k] = v
+	spec, _, _ := unstructured.NestedFieldNoCopy(u.Object, "spec")
+	if spec == nil {
+		spec = map[string]any{}
 	}
-	ap["name"], ap["namespace"] = u.GetName(), u.GetNamespace()
-	c, err := s.parseConfig(name, map[string]any{"authorizationPolicies": []any{ap}})
+	data, err := json.Marshal(spec)
+	var in policy.Istio
 	if err == nil {
-		for _, w := range c.Warnings {
-			s.log.Warn().Str("policy", name).Msg(w)
+		in, err = decodeAuthorizationPolicy(u.GetNamespace(), u.GetName(), data)
+	}
+	if err == nil {
+		p, probs := policy.FromIstio(in)
+		var errs []error
+		for _, pr := range probs {
+			if pr.Warning {
+				s.log.Warn().Str("policy", name).Msg(pr.Error())
+			} else {
+				errs = append(errs, pr)
+			}
 		}
-		return c.Policies()
+		switch {
+		case len(errs) > 0:
+			err = errors.Join(errs...)
+		case p == nil:
+			return nil // ignored (CUSTOM, a waypoint's): the warning says why
+		default:
+			return []*policy.Policy{p}
+		}
 	}
 	s.log.Error().Err(err).Str("policy", name).
 		Msg("policy not understood; its workloads allow nothing until it is fixed")
-	closed := map[string]any{"name": u.GetName(), "namespace": u.GetNamespace(), "action": "ALLOW"}
-	if sel, ok := spec["selector"]; ok {
-		closed["selector"] = sel
+	sel, _, _ := unstructured.NestedStringMap(u.Object, "spec", "selector", "matchLabels")
+	// A selector that is not a map of strings is nil here: the closed
+	// policy then covers the whole namespace.
+	if p := policy.AllowNothing(u.GetName(), u.GetNamespace(), sel); p != nil {
+		return []*policy.Policy{p}
 	}
-	c, err = s.parseConfig(name, map[string]any{"authorizationPolicies": []any{closed}})
-	if err != nil { // the selector itself is bad: deny the whole namespace
-		delete(closed, "selector")
-		if c, err = s.parseConfig(name, map[string]any{"authorizationPolicies": []any{closed}}); err != nil {
-			return nil
-		}
-	}
-	return c.Policies()
-}
-
-func (s *Source) parseConfig(name string, doc map[string]any) (*config.Config, error) {
-	doc["trustDomain"] = s.cfg.TrustDomain.String()
-	doc["rootNamespace"] = s.cfg.RootNamespace
-	data, err := json.Marshal(doc)
-	if err != nil {
-		return nil, err
-	}
-	return config.Parse(name, data)
+	return nil
 }
 
 // peerAuth is the peer-authentication mode of one workload, resolved as

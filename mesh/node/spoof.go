@@ -9,6 +9,7 @@ import (
 
 	"github.com/rs/zerolog"
 
+	"github.com/meshtun/meshtun/stack/classify"
 	"github.com/meshtun/meshtun/tun"
 )
 
@@ -66,13 +67,12 @@ func (s *spoofSink) run() {
 }
 
 // addrs returns the source and destination of an IPv4 or IPv6 packet
-// (invalid addresses if it is neither).
+// (invalid addresses if it is neither), read by the classifier's parser.
 func addrs(pkt []byte) (src, dst netip.Addr) {
-	switch {
-	case len(pkt) >= 20 && pkt[0]>>4 == 4:
-		return netip.AddrFrom4([4]byte(pkt[12:16])), netip.AddrFrom4([4]byte(pkt[16:20]))
-	case len(pkt) >= 40 && pkt[0]>>4 == 6:
-		return netip.AddrFrom16([16]byte(pkt[8:24])), netip.AddrFrom16([16]byte(pkt[24:40]))
-	}
-	return netip.Addr{}, netip.Addr{}
+	var h classify.IPHeader
+	classify.ParseIP(pkt, false, &h) // the addresses are known even if the rest is malformed
+	s, d := h.Addrs(pkt)
+	src, _ = netip.AddrFromSlice(s)
+	dst, _ = netip.AddrFromSlice(d)
+	return src, dst
 }

@@ -5,6 +5,8 @@ import (
 	"net/netip"
 	"strconv"
 	"strings"
+
+	"github.com/meshtun/meshtun/mesh/identity/workloadid"
 )
 
 // attrs is a Request taken apart once per evaluation: the principal and
@@ -25,27 +27,8 @@ func attrsOf(r *Request) attrs {
 	}
 	a.hasPeer = true
 	a.principal = strings.TrimPrefix(r.Peer.String(), "spiffe://")
-	a.ns, a.sa = nsSA(r.Peer.Path())
+	a.ns, a.sa, _ = workloadid.Split(r.Peer.Path())
 	return a
-}
-
-// nsSA splits a Kubernetes SPIFFE path "/ns/<ns>/sa/<sa>"; other paths
-// have neither.
-func nsSA(path string) (ns, sa string) {
-	rest, ok := strings.CutPrefix(path, "/ns/")
-	if !ok {
-		return "", ""
-	}
-	i := strings.IndexByte(rest, '/')
-	if i <= 0 {
-		return "", ""
-	}
-	ns, rest = rest[:i], rest[i:]
-	sa, ok = strings.CutPrefix(rest, "/sa/")
-	if !ok || sa == "" || strings.IndexByte(sa, '/') >= 0 {
-		return "", ""
-	}
-	return ns, sa
 }
 
 // strMatch is a list of Istio string patterns: exact, "prefix*",

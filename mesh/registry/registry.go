@@ -22,6 +22,7 @@ import (
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 
+	"github.com/meshtun/meshtun/mesh/identity/workloadid"
 	"github.com/meshtun/meshtun/mesh/policy"
 )
 
@@ -444,7 +445,7 @@ func Build(m Model) (*Snapshot, error) {
 		if w.ServiceAccount == "" {
 			w.ServiceAccount = "default" // as Kubernetes does
 		}
-		id, err := spiffeid.FromSegments(m.TrustDomain, "ns", w.Namespace, "sa", w.ServiceAccount)
+		id, err := workloadid.New(m.TrustDomain, w.Namespace, w.ServiceAccount)
 		if err != nil {
 			return nil, fmt.Errorf("registry: workload %s: identity: %w", &w, err)
 		}

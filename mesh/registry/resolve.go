@@ -4,8 +4,7 @@ import (
 	"fmt"
 	"net/netip"
 
-	"github.com/spiffe/go-spiffe/v2/spiffeid"
-
+	"github.com/meshtun/meshtun/mesh/identity/workloadid"
 	"github.com/meshtun/meshtun/mesh/policy"
 )
 
@@ -111,7 +110,7 @@ func Resolve(m Model) (Model, []Conflict) {
 			if sa == "" {
 				sa = "default"
 			}
-			if _, err := spiffeid.FromSegments(td, "ns", w.Namespace, "sa", sa); err != nil {
+			if _, err := workloadid.New(td, w.Namespace, sa); err != nil {
 				drop(fmt.Sprintf("identity: %v", err))
 				continue
 			}

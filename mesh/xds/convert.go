@@ -291,12 +291,10 @@ func (c *converter) authorization(in *security.Authorization) (*policy.Policy, e
 	if len(in.Extensions) > 0 {
 		return nil, fmt.Errorf("authorization %s has extensions (%s), which meshtun does not understand", key, extNames(in.Extensions))
 	}
-	p := policy.Policy{Name: in.Name, Namespace: in.Namespace, DryRun: in.DryRun}
+	p := policy.Istio{Name: in.Name, Namespace: in.Namespace, DryRun: in.DryRun}
 	switch in.Action {
-	case security.Action_ALLOW:
-		p.Action = policy.Allow
-	case security.Action_DENY:
-		p.Action = policy.Deny
+	case security.Action_ALLOW, security.Action_DENY:
+		p.Action = in.Action.String()
 	default:
 		return nil, fmt.Errorf("authorization %s: action %v is not supported", key, in.Action)
 	}
@@ -321,27 +319,35 @@ func (c *converter) authorization(in *security.Authorization) (*policy.Policy, e
 		}
 		p.Rules = append(p.Rules, r)
 	}
-	return policy.New(p)
+	built, probs := policy.FromIstio(p)
+	if built == nil {
+		var errs []error
+		for _, pr := range probs {
+			errs = append(errs, pr)
+		}
+		return nil, fmt.Errorf("authorization %s: %w", key, errors.Join(errs...))
+	}
+	return built, nil
 }
 
-// denyAll is what stands for an authorization meshtun cannot apply: a
-// DENY policy in the same scope whose one empty rule matches every
-// request. Leaving the policy out would fail open (a DENY policy missing,
-// or the only ALLOW policy of a workload missing, lets everything in).
+// denyAll is what stands for an authorization meshtun cannot apply
+// (policy.DenyAll): a DENY policy in the same scope whose one empty rule
+// matches every request.
 func (c *converter) denyAll(in *security.Authorization) *policy.Policy {
-	p := policy.Policy{Name: in.Name, Namespace: in.Namespace, Action: policy.Deny, Rules: []policy.Rule{{}}}
+	var sel map[string]string
 	if in.Scope == security.Scope_WORKLOAD_SELECTOR {
-		p.Selector = map[string]string{policyLabel(in.Namespace + "/" + in.Name): "true"}
+		sel = map[string]string{policyLabel(in.Namespace + "/" + in.Name): "true"}
 	}
-	if p.Name == "" {
-		p.Name = "unnamed"
+	name, ns := in.Name, in.Namespace
+	if name == "" {
+		name = "unnamed"
 	}
-	if p.Namespace == "" {
-		p.Namespace = c.root // mesh-wide: nothing better is known
+	if ns == "" {
+		ns = c.root // mesh-wide: nothing better is known
 	}
-	out, err := policy.New(p)
-	if err != nil { // cannot happen: name, namespace and action are set
-		panic(err)
+	out := policy.DenyAll(name, ns, sel)
+	if out == nil { // cannot happen: name and namespace are set
+		panic("xds: no deny-all policy for " + ns + "/" + name)
 	}
 	return out
 }

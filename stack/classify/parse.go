@@ -57,86 +57,156 @@ type segment struct {
 // netstack writes, possibly without their payload) only the headers need to
 // be present.
 func parse(pkt []byte, strict bool, seg *segment) (parseResult, DropReason) {
+	var h IPHeader
+	r := BadVersion
+	switch {
+	case len(pkt) == 0:
+		r = TooShort
+	case pkt[0]>>4 == 4:
+		r = parseIPv4(pkt, strict, &h)
+	case pkt[0]>>4 == 6:
+		r = parseIPv6(pkt, strict, &h)
+	}
+	if r != NoDrop {
+		return parsedMalformed, r
+	}
+	if h.Fragment {
+		switch h.Proto {
+		case protoTCP:
+			return parsedMalformed, FragmentedTCP
+		case protoHopByHop, protoRouting, protoDestOpts:
+			if h.V6 { // the fragmented part starts with more headers
+				return parsedMalformed, FragmentedTCP
+			}
+		}
+		return parsedOther, NoDrop
+	}
+	if h.Proto != protoTCP {
+		return parsedOther, NoDrop
+	}
+	seg.v6 = h.V6
+	seg.srcOff = h.addrOff
+	return parseTCP(pkt[h.L4:h.End], pkt, h.Declared-h.L4, seg)
+}
+
+// IPHeader is where the parts of an IP packet are, as ParseIP found them.
+// It is the one reading of the IPv4 and IPv6 headers in meshtun: the
+// classifier, the link's checksum verification and the node's spoof sink
+// all use it. It lives on the caller's stack; nothing is allocated.
+type IPHeader struct {
+	// V6 is set for an IPv6 packet.
+	V6 bool
+	// Proto is the transport protocol: IPv4's protocol field, or IPv6's
+	// first next header that is not hop-by-hop, routing or destination
+	// options. For a fragment it is the fragmented part's protocol.
+	Proto uint8
+	// Fragment is set for an IPv4 fragment (MF flag or a fragment
+	// offset) or an IPv6 packet with a fragment header.
+	Fragment bool
+	// L4 is the offset of the transport header (after the IPv4 options
+	// or the IPv6 extension headers, the fragment header included).
+	L4 int
+	// End is where the packet ends by its length field: len(pkt) at most,
+	// as ParseIP's non-strict mode cuts it. Declared is where the length
+	// field says it ends.
+	End, Declared int
+
+	addrOff int // offset of the source address (the destination follows); 0 if unknown
+}
+
+// Addrs returns the source and destination addresses of pkt (4 or 16
+// bytes each, slices of pkt), or nil if ParseIP did not find a fixed IPv4
+// or IPv6 header. They are known as soon as the fixed header is there,
+// even when ParseIP reports a problem further on.
+func (h *IPHeader) Addrs(pkt []byte) (src, dst []byte) {
+	switch {
+	case h.addrOff == 0:
+		return nil, nil
+	case h.V6:
+		return pkt[8:24], pkt[24:40]
+	}
+	return pkt[12:16], pkt[16:20]
+}
+
+// ParseIP reads the IPv4 or IPv6 header of pkt into h and returns NoDrop,
+// or the reason the packet is malformed. In strict mode (packets read
+// from the TUN) the IP length field must not exceed len(pkt); otherwise
+// (headers the netstack writes, possibly without their payload) End is
+// cut to len(pkt). It walks at most maxExtHeaders IPv6 extension headers.
+func ParseIP(pkt []byte, strict bool, h *IPHeader) DropReason {
+	*h = IPHeader{}
 	if len(pkt) == 0 {
-		return parsedMalformed, TooShort
+		return TooShort
 	}
 	switch pkt[0] >> 4 {
 	case 4:
-		return parse4(pkt, strict, seg)
+		return parseIPv4(pkt, strict, h)
 	case 6:
-		return parse6(pkt, strict, seg)
+		return parseIPv6(pkt, strict, h)
 	}
-	return parsedMalformed, BadVersion
+	return BadVersion
 }
 
-func parse4(pkt []byte, strict bool, seg *segment) (parseResult, DropReason) {
+func parseIPv4(pkt []byte, strict bool, h *IPHeader) DropReason {
 	if len(pkt) < ipv4MinHeader {
-		return parsedMalformed, TooShort
+		return TooShort
 	}
+	h.addrOff = 12
 	ihl := int(pkt[0]&0x0f) * 4
 	if ihl < ipv4MinHeader {
-		return parsedMalformed, BadHeaderLength
+		return BadHeaderLength
 	}
 	if ihl > len(pkt) {
-		return parsedMalformed, HeaderTruncated
+		return HeaderTruncated
 	}
-	end := int(binary.BigEndian.Uint16(pkt[2:4]))
-	if end < ihl {
-		return parsedMalformed, BadTotalLength
+	declared := int(binary.BigEndian.Uint16(pkt[2:4]))
+	if declared < ihl {
+		return BadTotalLength
 	}
+	end := declared
 	if end > len(pkt) {
 		if strict {
-			return parsedMalformed, Truncated
+			return Truncated
 		}
 		end = len(pkt)
 	}
-	// MF flag or a non-zero fragment offset: a fragment.
-	if binary.BigEndian.Uint16(pkt[6:8])&0x3fff != 0 {
-		if pkt[9] == protoTCP {
-			return parsedMalformed, FragmentedTCP
-		}
-		return parsedOther, NoDrop
-	}
-	if pkt[9] != protoTCP {
-		return parsedOther, NoDrop
-	}
-	seg.v6 = false
-	seg.srcOff = 12
-	return parseTCP(pkt[ihl:end], pkt, int(binary.BigEndian.Uint16(pkt[2:4]))-ihl, seg)
+	h.Proto = pkt[9]
+	h.Fragment = binary.BigEndian.Uint16(pkt[6:8])&0x3fff != 0
+	h.L4, h.End, h.Declared = ihl, end, declared
+	return NoDrop
 }
 
-func parse6(pkt []byte, strict bool, seg *segment) (parseResult, DropReason) {
+func parseIPv6(pkt []byte, strict bool, h *IPHeader) DropReason {
 	if len(pkt) < ipv6Header {
-		return parsedMalformed, TooShort
+		return TooShort
 	}
+	h.V6 = true
+	h.addrOff = 8
 	declared := ipv6Header + int(binary.BigEndian.Uint16(pkt[4:6]))
 	end := declared
 	if end > len(pkt) {
 		if strict {
-			return parsedMalformed, Truncated
+			return Truncated
 		}
 		end = len(pkt)
 	}
+	h.End, h.Declared = end, declared
 	next := pkt[6]
 	off := ipv6Header
 	for n := 0; ; n++ {
 		switch next {
-		case protoTCP:
-			seg.v6 = true
-			seg.srcOff = 8
-			return parseTCP(pkt[off:end], pkt, declared-off, seg)
 		case protoHopByHop, protoRouting, protoDestOpts:
 			if n == maxExtHeaders {
-				return parsedMalformed, TooManyExtHeaders
+				return TooManyExtHeaders
 			}
 			// Every one of these is at least 8 bytes: next header,
 			// length in 8-byte units not counting the first, data.
 			if end-off < 8 {
-				return parsedMalformed, ExtHeaderTruncated
+				return ExtHeaderTruncated
 			}
 			l := (int(pkt[off+1]) + 1) * 8
 			if end-off < l {
-				return parsedMalformed, ExtHeaderTruncated
+				return ExtHeaderTruncated
 			}
 			next = pkt[off]
 			off += l
@@ -144,16 +214,17 @@ func parse6(pkt []byte, strict bool, seg *segment) (parseResult, DropReason) {
 			// A fragment header is 8 bytes; its first byte is the
 			// next header of the fragmented part.
 			if end-off < 8 {
-				return parsedMalformed, ExtHeaderTruncated
+				return ExtHeaderTruncated
 			}
-			switch pkt[off] {
-			case protoTCP, protoHopByHop, protoRouting, protoDestOpts:
-				return parsedMalformed, FragmentedTCP
-			}
-			return parsedOther, NoDrop
+			h.Fragment = true
+			h.Proto = pkt[off]
+			h.L4 = off + 8
+			return NoDrop
 		default:
-			// No next header, ESP, AH, UDP, ICMPv6, ...
-			return parsedOther, NoDrop
+			// TCP, no next header, ESP, AH, UDP, ICMPv6, ...
+			h.Proto = next
+			h.L4 = off
+			return NoDrop
 		}
 	}
 }
