@@ -19,6 +19,8 @@ import (
 // on the bridge device itself sees only what the bridge delivers to this
 // host, not the frames it forwards from node to node.)
 type Capture struct {
+	bridge  string
+	ifaces  map[int]bool // interface indexes of the ports captured
 	ports   []*portCapture
 	markers [][]byte
 	mu      sync.Mutex
@@ -42,7 +44,7 @@ func StartCapture(bridge string, markers ...string) (*Capture, error) {
 	if len(ports) == 0 {
 		return nil, fmt.Errorf("capture on bridge %s: no ports", bridge)
 	}
-	c := &Capture{seen: map[string]int{}}
+	c := &Capture{bridge: bridge, ifaces: map[int]bool{}, seen: map[string]int{}}
 	for _, m := range markers {
 		c.markers = append(c.markers, []byte(m))
 	}
@@ -55,6 +57,30 @@ func StartCapture(bridge string, markers ...string) (*Capture, error) {
 		c.ports = append(c.ports, pc)
 	}
 	return c, nil
+}
+
+// AddNewPorts captures on the bridge's ports that appeared since the
+// capture started (a restarted node's new veth, which may have the old
+// one's name) and returns how many.
+func (c *Capture) AddNewPorts() (int, error) {
+	ports, err := os.ReadDir(filepath.Join("/sys/class/net", c.bridge, "brif"))
+	if err != nil {
+		return 0, fmt.Errorf("capture on bridge %s: %w", c.bridge, err)
+	}
+	n := 0
+	for _, p := range ports {
+		ifi, err := net.InterfaceByName(p.Name())
+		if err != nil || c.ifaces[ifi.Index] {
+			continue
+		}
+		pc, err := c.open(p.Name())
+		if err != nil {
+			return n, err
+		}
+		c.ports = append(c.ports, pc)
+		n++
+	}
+	return n, nil
 }
 
 func (c *Capture) open(iface string) (*portCapture, error) {
@@ -78,6 +104,7 @@ func (c *Capture) open(iface string) (*portCapture, error) {
 	}
 	syscall.SetsockoptInt(fd, syscall.SOL_SOCKET, syscall.SO_RCVBUF, 8<<20)
 	pc := &portCapture{fd: fd, done: make(chan struct{})}
+	c.ifaces[ifi.Index] = true
 	go c.loop(pc, fd)
 	return pc, nil
 }

@@ -144,17 +144,7 @@ func Create(ctx context.Context, logf Logf, t Toolchain, o Options) (*Cluster, e
 	if err != nil {
 		return c, err
 	}
-	for _, n := range nodes {
-		// The node has no default route on an internal network: the API
-		// server's Service VIP (and every other) must still route to eth0
-		// for kube-proxy's DNAT of the node's own connections.
-		for _, cidr := range ServiceCIDRs {
-			if _, err := c.Podman(ctx, "exec", n.Name, "ip", "route", "replace", cidr, "dev", "eth0"); err != nil {
-				return c, err
-			}
-		}
-	}
-	if err := c.WritePodNetwork(ctx, nodes); err != nil {
+	if err := c.PlayKindnet(ctx, nodes); err != nil {
 		return c, err
 	}
 	if _, err := c.Kubectl(ctx, "wait", "--for=condition=Ready", "nodes", "--all", "--timeout=10m"); err != nil {
@@ -273,6 +263,23 @@ func (c *Cluster) Nodes(ctx context.Context) ([]Node, error) {
 		return nil, fmt.Errorf("cluster %s has no nodes", c.Name)
 	}
 	return nodes, nil
+}
+
+// PlayKindnet does on every node what kindnetd does when it starts (and
+// again after a node restarts): the routes, and the pod network's CNI
+// configuration written anew (WritePodNetwork).
+func (c *Cluster) PlayKindnet(ctx context.Context, nodes []Node) error {
+	for _, n := range nodes {
+		// The node has no default route on an internal network: the API
+		// server's Service VIP (and every other) must still route to eth0
+		// for kube-proxy's DNAT of the node's own connections.
+		for _, cidr := range ServiceCIDRs {
+			if _, err := c.Podman(ctx, "exec", n.Name, "ip", "route", "replace", cidr, "dev", "eth0"); err != nil {
+				return err
+			}
+		}
+	}
+	return c.WritePodNetwork(ctx, nodes)
 }
 
 // WritePodNetwork is the part of kindnetd a kind cluster needs, done from
