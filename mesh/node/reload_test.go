@@ -9,7 +9,6 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -18,6 +17,7 @@ import (
 
 	"github.com/meshtun/meshtun/mesh/config"
 	"github.com/meshtun/meshtun/mesh/registry"
+	"github.com/meshtun/meshtun/test/fixture"
 )
 
 // meshFile is a valid config whose only workload has address 198.18.1.<n>.
@@ -25,23 +25,8 @@ func meshFile(td string, n int) string {
 	return fmt.Sprintf("trustDomain: %s\nnodes: [{name: n1}]\nworkloads: [{name: a, node: n1, addresses: [198.18.1.%d]}]\n", td, n)
 }
 
-// syncBuffer is a log sink the watcher's goroutine and the test share.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
+// syncBuffer is the shared log sink of test/fixture.
+type syncBuffer = fixture.SyncBuffer
 
 // reloadRig runs config.Watch on a temporary file with a reloader whose
 // start-up config is the file's content when the rig is made.
