@@ -17,6 +17,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/meshtun/meshtun/test/fixture"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
@@ -584,6 +585,7 @@ func TestCluster(t *testing.T) {
 }
 
 func TestNewCleansUpOnError(t *testing.T) {
+	fixture.RequireRoot(t, "network namespaces")
 	if err := Preflight(); err != nil {
 		t.Fatalf("needs root and netns: %v", err)
 	}
@@ -609,6 +611,7 @@ func TestNewCleansUpOnError(t *testing.T) {
 }
 
 func TestCleanupStale(t *testing.T) {
+	fixture.RequireRoot(t, "network namespaces")
 	if err := Preflight(); err != nil {
 		t.Fatalf("needs root and netns: %v", err)
 	}

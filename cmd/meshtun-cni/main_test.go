@@ -19,27 +19,13 @@ import (
 	"github.com/meshtun/meshtun/mesh/cni"
 	"github.com/meshtun/meshtun/mesh/gate"
 	"github.com/meshtun/meshtun/mesh/registry"
+	"github.com/meshtun/meshtun/test/fixture"
 )
 
 // pluginBin is the plugin as the runtime execs it, built by TestMain.
 var pluginBin string
 
-func TestMain(m *testing.M) {
-	dir, err := os.MkdirTemp("", "meshtun-cni-test")
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		os.Exit(1)
-	}
-	pluginBin = filepath.Join(dir, cni.PluginType)
-	out, err := exec.Command("go", "build", "-trimpath", "-o", pluginBin, ".").CombinedOutput()
-	if err != nil {
-		fmt.Fprintf(os.Stderr, "build meshtun-cni: %v\n%s", err, out)
-		os.Exit(1)
-	}
-	code := m.Run()
-	os.RemoveAll(dir)
-	os.Exit(code)
-}
+func TestMain(m *testing.M) { fixture.MainWithBinary(m, &pluginBin, cni.PluginType, ".", "-trimpath") }
 
 // fakeNode is the node proxy's part the gate asks (its API server caches)
 // and reports to (its capture), in memory: a pod of an enrolled
