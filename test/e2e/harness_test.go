@@ -35,15 +35,10 @@ type nodeProc struct{ *noderun.Process }
 func (p nodeProc) stop(sig syscall.Signal) error { return p.Stop(sig) }
 func (p nodeProc) dump() string                  { return p.Logs() }
 
-// startNode starts meshtun in n's namespace, capturing every pod, and waits
-// until it reports ready. It is stopped at the end of the test if still
-// running.
-func startNode(t testing.TB, c *cluster.Cluster, n *cluster.Node, extra ...string) nodeProc {
-	return startMeshNode(t, c, n, nil, nil, extra...)
-}
-
-// startMeshNode is startNode with the pods in outside left out of the mesh
-// and those in strict in STRICT mode.
+// startMeshNode starts meshtun in n's namespace, capturing every pod,
+// with the pods in outside left out of the mesh and those in strict in
+// STRICT mode, and waits until it reports ready. It is stopped at the end
+// of the test if still running.
 func startMeshNode(t testing.TB, c *cluster.Cluster, n *cluster.Node, outside, strict map[string]bool, extra ...string) nodeProc {
 	t.Helper()
 	m := noderun.Mesh{Pods: map[string]noderun.Pod{}}
