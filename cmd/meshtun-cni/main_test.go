@@ -206,6 +206,7 @@ func failedRetry(t *testing.T, r result, want string) {
 // captured the addresses and host link of the previous result, and then
 // passes that result on.
 func TestAddEnrolled(t *testing.T) {
+	fixture.RequireRoot(t, "the gate answers only root peers: the plugin runs as root")
 	dir := t.TempDir()
 	f, _ := startNode(t, dir, 10*time.Second)
 	f.addPod("mesh", "web")
@@ -244,6 +245,7 @@ func TestAddNotEnrolled(t *testing.T) {
 // no link) fails the ADD after its timeout, and withdraws what it
 // announced.
 func TestAddNotCaptured(t *testing.T) {
+	fixture.RequireRoot(t, "the gate answers only root peers: the plugin runs as root")
 	dir := t.TempDir()
 	f, _ := startNode(t, dir, 300*time.Millisecond)
 	f.capture = false
@@ -257,6 +259,7 @@ func TestAddNotCaptured(t *testing.T) {
 // TestAddUnknownPod: a pod the node's caches do not hold yet fails (the
 // kubelet retries), it does not pass.
 func TestAddUnknownPod(t *testing.T) {
+	fixture.RequireRoot(t, "the gate answers only root peers: the plugin runs as root")
 	dir := t.TempDir()
 	startNode(t, dir, 200*time.Millisecond)
 	failedRetry(t, execPlugin(t, "ADD", dir, "mesh", "new", nil), "not in the node's API server caches")
