@@ -34,7 +34,7 @@ unit:
 
 # e2e runs the end-to-end tests on the network-namespace cluster
 # (bench/cluster) and the topology tests (root and /dev/net/tun; they fail,
-# not skip, without). About 10 minutes.
+# not skip, without).
 e2e:
 	$(GO) test -count=1 -timeout 30m $(E2E_PKGS)
 
