@@ -9,7 +9,6 @@ import (
 	"net"
 	"net/netip"
 	"os"
-	"runtime"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -20,6 +19,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/meshtun/meshtun/stack/classify"
+	"github.com/meshtun/meshtun/test/fixture"
 	"github.com/meshtun/meshtun/tun"
 )
 
@@ -57,9 +57,7 @@ func (d *gsoCounter) Writev(bufs [][]byte) (int, error) {
 // with offloads as GSO super-packets in both directions (the kernel's TSO
 // into the netstack, the netstack's GSO out).
 func TestKernelTCP(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Fatal("TestKernelTCP needs root (CAP_SYS_ADMIN for a network namespace, CAP_NET_ADMIN and /dev/net/tun for the TUN)")
-	}
+	fixture.RequireRoot(t, "CAP_SYS_ADMIN for a network namespace, CAP_NET_ADMIN and /dev/net/tun for the TUN")
 	for _, offload := range []bool{true, false} {
 		for _, v6 := range []bool{false, true} {
 			name := fmt.Sprintf("offload=%v/ipv6=%v", offload, v6)
@@ -72,17 +70,7 @@ func kernelTCP(t *testing.T, offload, v6 bool) {
 	// This goroutine's thread moves into a new network namespace and,
 	// still locked, ends with the goroutine: nothing else ever runs in
 	// that namespace, and nothing leaves it.
-	runtime.LockOSThread()
-	if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
-		t.Fatalf("unshare network namespace: %v", err)
-	}
-	lo, err := netlink.LinkByName("lo")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := netlink.LinkSetUp(lo); err != nil {
-		t.Fatal(err)
-	}
+	lo := fixture.PrivateNetns(t)
 	raw, err := tun.Open(tun.Config{Name: "mttest0", NoOffload: !offload})
 	if err != nil {
 		t.Fatal(err)
@@ -228,20 +216,7 @@ func (d *gsoKinds) Read(b []byte) (int, error) {
 // packet goes back verbatim, virtio-net header and all. The kernel must
 // accept the super-packets as written and deliver the bytes intact.
 func TestKernelVerbatimGSO(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Fatal("TestKernelVerbatimGSO needs root (CAP_SYS_ADMIN for a network namespace, CAP_NET_ADMIN and /dev/net/tun for the TUN)")
-	}
-	runtime.LockOSThread() // never unlocked: the thread, and its namespace, end with the test
-	if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
-		t.Fatalf("unshare network namespace: %v", err)
-	}
-	lo, err := netlink.LinkByName("lo")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := netlink.LinkSetUp(lo); err != nil {
-		t.Fatal(err)
-	}
+	lo := fixture.PrivateNetns(t) // the thread, and its namespace, end with the test
 	a, b := netip.MustParseAddr("10.9.0.1"), netip.MustParseAddr("10.9.1.2")
 	for _, ip := range []netip.Addr{a, b} {
 		if err := netlink.AddrAdd(lo, &netlink.Addr{IPNet: &net.IPNet{IP: ip.AsSlice(), Mask: net.CIDRMask(32, 32)}}); err != nil {

@@ -6,7 +6,6 @@ import (
 	"io"
 	"net/netip"
 	"os"
-	"sync"
 	"testing"
 	"time"
 
@@ -16,81 +15,43 @@ import (
 	"gvisor.dev/gvisor/pkg/tcpip/header"
 
 	"github.com/meshtun/meshtun/stack/classify"
+	"github.com/meshtun/meshtun/test/fixture"
 	"github.com/meshtun/meshtun/tun"
 )
 
-// fakeDev is an OffloadDevice in memory: the test feeds packets to Read
-// through in and takes everything written from out.
-type fakeDev struct {
-	vnet      int
-	in        chan []byte
-	out       chan []byte
-	done      chan struct{}
-	closeOnce sync.Once
-}
+// fakeDev is test/fixture's OffloadDevice in memory: the test feeds
+// packets to Read with send and takes everything written with recv (or
+// from Out), virtio-net header encoded and decoded.
+type fakeDev struct{ *fixture.MemDevice }
 
-func newFakeDev(vnet int) *fakeDev {
-	return &fakeDev{vnet: vnet, in: make(chan []byte), out: make(chan []byte, 4096), done: make(chan struct{})}
-}
+func newFakeDev(vnet int) *fakeDev { return &fakeDev{fixture.NewMemDevice(vnet, 4096)} }
 
-func (d *fakeDev) Read(b []byte) (int, error) {
-	select {
-	case p := <-d.in:
-		if len(p) > len(b) {
-			panic("fakeDev: packet larger than the read buffer")
-		}
-		return copy(b, p), nil
-	case <-d.done:
-		return 0, os.ErrClosed
-	}
-}
-
-func (d *fakeDev) Write(p []byte) (int, error) {
-	d.out <- bytes.Clone(p)
-	return len(p), nil
-}
-
-func (d *fakeDev) Writev(bufs [][]byte) (int, error) {
-	p := bytes.Join(bufs, nil)
-	d.out <- p
-	return len(p), nil
-}
-
-func (d *fakeDev) MTU() int        { return 1500 }
-func (d *fakeDev) VnetHdrLen() int { return d.vnet }
-func (d *fakeDev) close()          { d.closeOnce.Do(func() { close(d.done) }) }
+func (d *fakeDev) close() { d.Close() }
 
 // send hands the link endpoint one packet with virtio-net header vh.
 func (d *fakeDev) send(t *testing.T, vh tun.VnetHdr, pkt []byte) {
 	t.Helper()
-	b := make([]byte, d.vnet+len(pkt))
-	if d.vnet > 0 {
+	vnet := d.VnetHdrLen()
+	b := make([]byte, vnet+len(pkt))
+	if vnet > 0 {
 		vh.Encode(b)
 	}
-	copy(b[d.vnet:], pkt)
-	select {
-	case d.in <- b:
-	case <-time.After(10 * time.Second):
-		t.Fatal("link endpoint does not read")
-	}
+	copy(b[vnet:], pkt)
+	d.Send(t, b)
 }
 
 // recv returns the next packet written and its virtio-net header.
 func (d *fakeDev) recv(t *testing.T) (tun.VnetHdr, []byte) {
 	t.Helper()
-	select {
-	case b := <-d.out:
-		var vh tun.VnetHdr
-		if d.vnet > 0 {
-			if err := vh.Decode(b); err != nil {
-				t.Fatal(err)
-			}
+	b := d.Recv(t)
+	var vh tun.VnetHdr
+	vnet := d.VnetHdrLen()
+	if vnet > 0 {
+		if err := vh.Decode(b); err != nil {
+			t.Fatal(err)
 		}
-		return vh, b[d.vnet:]
-	case <-time.After(10 * time.Second):
-		t.Fatal("nothing written to the device")
-		return tun.VnetHdr{}, nil
 	}
+	return vh, b[vnet:]
 }
 
 // seg describes a TCP segment for build.

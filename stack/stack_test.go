@@ -35,7 +35,7 @@ func TestDialSameSourceTwoDestinations(t *testing.T) {
 	seen := map[netip.AddrPort]bool{}
 	for len(seen) < len(dsts) {
 		select {
-		case p := <-dev.out:
+		case p := <-dev.Out:
 			ip := header.IPv4(p)
 			tcp := header.TCP(ip.Payload())
 			from := netip.AddrPortFrom(netip.AddrFrom4(ip.SourceAddress().As4()), tcp.SourcePort())

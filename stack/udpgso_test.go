@@ -372,18 +372,18 @@ type batchDev struct {
 
 func newBatchDev(queue [][]byte) *batchDev {
 	d := &batchDev{fakeDev: *newFakeDev(tun.VnetHdrLen), writes: make(chan [][]byte, 4096)}
-	d.in = make(chan []byte, len(queue))
+	d.In = make(chan []byte, len(queue))
 	for _, p := range queue {
-		d.in <- p
+		d.In <- p
 	}
 	return d
 }
 
 func (d *batchDev) TryRead(b []byte) (int, error) {
 	select {
-	case p := <-d.in:
+	case p := <-d.In:
 		return copy(b, p), nil
-	case <-d.done:
+	case <-d.Done():
 		return 0, os.ErrClosed
 	default:
 		return 0, nil

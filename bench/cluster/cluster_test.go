@@ -17,6 +17,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/meshtun/meshtun/test/fixture"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
@@ -150,6 +151,7 @@ func echo(t *testing.T, src, dst *NS, dstAddr netip.Addr) netip.Addr {
 }
 
 func TestCluster(t *testing.T) {
+	fixture.RequireRoot(t, "network namespaces")
 	linksBefore, routesBefore := rootSnapshot(t)
 
 	c := NewT(t, Spec{Name: "t", Nodes: 2, PodsPerNode: 2})
@@ -584,6 +586,7 @@ func TestCluster(t *testing.T) {
 }
 
 func TestNewCleansUpOnError(t *testing.T) {
+	fixture.RequireRoot(t, "network namespaces")
 	if err := Preflight(); err != nil {
 		t.Fatalf("needs root and netns: %v", err)
 	}
@@ -609,6 +612,7 @@ func TestNewCleansUpOnError(t *testing.T) {
 }
 
 func TestCleanupStale(t *testing.T) {
+	fixture.RequireRoot(t, "network namespaces")
 	if err := Preflight(); err != nil {
 		t.Fatalf("needs root and netns: %v", err)
 	}
@@ -680,6 +684,7 @@ func TestPidOf(t *testing.T) {
 // nodes' uplinks (for `meshtun ca`) and, having no route to them, not the
 // pods.
 func TestControlHost(t *testing.T) {
+	fixture.RequireRoot(t, "network namespaces")
 	c := NewT(t, Spec{Name: "ctl", Nodes: 1, PodsPerNode: 1, NoExternal: true, Control: true})
 	if c.Control == nil || c.Control.IPv4.String() != "198.18.0.101" || c.Control.IPv6.String() != "fd00:6d74::101" {
 		t.Fatalf("control host %+v, want 198.18.0.101 and fd00:6d74::101", c.Control)

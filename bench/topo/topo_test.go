@@ -8,7 +8,6 @@ import (
 	"net"
 	"net/netip"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -20,27 +19,14 @@ import (
 
 	"github.com/meshtun/meshtun/bench/cluster"
 	"github.com/meshtun/meshtun/bench/noderun"
+	"github.com/meshtun/meshtun/test/fixture"
 )
 
 // meshtunBin is built once by TestMain for the topology test.
 var meshtunBin string
 
 func TestMain(m *testing.M) {
-	dir, err := os.MkdirTemp("", "meshtun-topo-")
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "topo:", err)
-		os.Exit(1)
-	}
-	meshtunBin = filepath.Join(dir, "meshtun")
-	build := exec.Command("go", "build", "-tags", noderun.BuildTags, "-o", meshtunBin, "github.com/meshtun/meshtun/cmd/meshtun")
-	build.Stdout, build.Stderr = os.Stderr, os.Stderr
-	if err := build.Run(); err != nil {
-		fmt.Fprintln(os.Stderr, "topo: build meshtun:", err)
-		os.Exit(1)
-	}
-	code := m.Run()
-	os.RemoveAll(dir)
-	os.Exit(code)
+	fixture.MainWithBinary(m, &meshtunBin, "meshtun", "github.com/meshtun/meshtun/cmd/meshtun", "-tags", noderun.BuildTags)
 }
 
 // tunBytes returns the bytes through the TUN device of node n's meshtun,
@@ -69,6 +55,7 @@ func tunBytes(t *testing.T, n *cluster.Node) uint64 {
 // paths must not (a few packets of background, such as the pods' IPv6
 // multicast reports, are allowed).
 func TestPathsGoWhereTheySay(t *testing.T) {
+	fixture.RequireRoot(t, "network namespaces and /dev/net/tun")
 	if err := cluster.Preflight(); err != nil {
 		t.Fatalf("this test needs root, network namespaces and /dev/net/tun: %v", err)
 	}
@@ -222,6 +209,7 @@ func TestChoosePlans(t *testing.T) {
 // path's proxies, and only they, run with the variant's environment and
 // flags, and both paths carry traffic.
 func TestVariantRunsWithItsOwnSettings(t *testing.T) {
+	fixture.RequireRoot(t, "network namespaces and /dev/net/tun")
 	if err := cluster.Preflight(); err != nil {
 		t.Fatalf("this test needs root, network namespaces and /dev/net/tun: %v", err)
 	}
@@ -322,6 +310,7 @@ func linkStats(t *testing.T, ns *cluster.NS, name string) (kind string, st netli
 // must see the connection come from the node (pasta's socket), not the
 // pod. After a restart of their proxies both carry traffic again.
 func TestPeersCarryTraffic(t *testing.T) {
+	fixture.RequireRoot(t, "network namespaces and /dev/net/tun")
 	if err := cluster.Preflight(); err != nil {
 		t.Fatalf("this test needs root, network namespaces and /dev/net/tun: %v", err)
 	}

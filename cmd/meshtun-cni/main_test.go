@@ -19,27 +19,13 @@ import (
 	"github.com/meshtun/meshtun/mesh/cni"
 	"github.com/meshtun/meshtun/mesh/gate"
 	"github.com/meshtun/meshtun/mesh/registry"
+	"github.com/meshtun/meshtun/test/fixture"
 )
 
 // pluginBin is the plugin as the runtime execs it, built by TestMain.
 var pluginBin string
 
-func TestMain(m *testing.M) {
-	dir, err := os.MkdirTemp("", "meshtun-cni-test")
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		os.Exit(1)
-	}
-	pluginBin = filepath.Join(dir, cni.PluginType)
-	out, err := exec.Command("go", "build", "-trimpath", "-o", pluginBin, ".").CombinedOutput()
-	if err != nil {
-		fmt.Fprintf(os.Stderr, "build meshtun-cni: %v\n%s", err, out)
-		os.Exit(1)
-	}
-	code := m.Run()
-	os.RemoveAll(dir)
-	os.Exit(code)
-}
+func TestMain(m *testing.M) { fixture.MainWithBinary(m, &pluginBin, cni.PluginType, ".", "-trimpath") }
 
 // fakeNode is the node proxy's part the gate asks (its API server caches)
 // and reports to (its capture), in memory: a pod of an enrolled
@@ -220,6 +206,7 @@ func failedRetry(t *testing.T, r result, want string) {
 // captured the addresses and host link of the previous result, and then
 // passes that result on.
 func TestAddEnrolled(t *testing.T) {
+	fixture.RequireRoot(t, "the gate answers only root peers: the plugin runs as root")
 	dir := t.TempDir()
 	f, _ := startNode(t, dir, 10*time.Second)
 	f.addPod("mesh", "web")
@@ -258,6 +245,7 @@ func TestAddNotEnrolled(t *testing.T) {
 // no link) fails the ADD after its timeout, and withdraws what it
 // announced.
 func TestAddNotCaptured(t *testing.T) {
+	fixture.RequireRoot(t, "the gate answers only root peers: the plugin runs as root")
 	dir := t.TempDir()
 	f, _ := startNode(t, dir, 300*time.Millisecond)
 	f.capture = false
@@ -271,6 +259,7 @@ func TestAddNotCaptured(t *testing.T) {
 // TestAddUnknownPod: a pod the node's caches do not hold yet fails (the
 // kubelet retries), it does not pass.
 func TestAddUnknownPod(t *testing.T) {
+	fixture.RequireRoot(t, "the gate answers only root peers: the plugin runs as root")
 	dir := t.TempDir()
 	startNode(t, dir, 200*time.Millisecond)
 	failedRetry(t, execPlugin(t, "ADD", dir, "mesh", "new", nil), "not in the node's API server caches")

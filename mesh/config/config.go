@@ -459,9 +459,7 @@ func (c *Config) Snapshot() (*registry.Snapshot, error) {
 			Name: w.Name, Namespace: w.Namespace, ServiceAccount: w.ServiceAccount, Node: w.Node,
 			Labels: w.Labels, InMesh: w.InMesh(), ProbePorts: w.ProbePorts, CaptureLinks: links[i],
 		}
-		for _, a := range w.Addresses {
-			rw.Addresses = append(rw.Addresses, a)
-		}
+		rw.Addresses = append(rw.Addresses, w.Addresses...)
 		if w.PeerAuthentication == "STRICT" {
 			rw.PeerAuth = registry.Strict
 		}
@@ -482,9 +480,7 @@ func (c *Config) Snapshot() (*registry.Snapshot, error) {
 			Name: s.Name, Namespace: s.Namespace, Hostname: s.Hostname, Selector: s.Selector,
 			PreferSameNode: s.TrafficDistribution == "PreferSameNode",
 		}
-		for _, v := range s.VIPs {
-			rs.VIPs = append(rs.VIPs, v)
-		}
+		rs.VIPs = append(rs.VIPs, s.VIPs...)
 		for _, p := range s.Ports {
 			rs.Ports = append(rs.Ports, registry.ServicePort{Name: p.Name, Port: p.Port, TargetPort: p.TargetPort})
 		}

@@ -1,7 +1,6 @@
 package config
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -9,37 +8,22 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/rs/zerolog"
 
 	"github.com/meshtun/meshtun/mesh/registry"
+	"github.com/meshtun/meshtun/test/fixture"
 )
 
-// meshFile is a valid config whose only workload has address 198.18.1.<n>.
+// reloadFile is a valid config whose only workload has address 198.18.1.<n>.
 func reloadFile(td string, n int) string {
 	return fmt.Sprintf("trustDomain: %s\nnodes: [{name: n1}]\nworkloads: [{name: a, node: n1, addresses: [198.18.1.%d]}]\n", td, n)
 }
 
-// syncBuffer is a log sink the watcher's goroutine and the test share.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
+// syncBuffer is the shared log sink of test/fixture.
+type syncBuffer = fixture.SyncBuffer
 
 // reloadRig runs config.Watch on a temporary file with a reloader whose
 // start-up config is the file's content when the rig is made.

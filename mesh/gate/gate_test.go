@@ -13,6 +13,7 @@ import (
 
 	"github.com/meshtun/meshtun/mesh/cni"
 	"github.com/meshtun/meshtun/mesh/registry"
+	"github.com/meshtun/meshtun/test/fixture"
 )
 
 type pods struct {
@@ -77,6 +78,7 @@ func addReq(name, container string, addr string) cni.Request {
 // TestPendingBound: the gate holds at most MaxPending announcements; one
 // more pod is refused, not announced.
 func TestPendingBound(t *testing.T) {
+	fixture.RequireRoot(t, "the gate answers only root peers: the plugin runs as root")
 	g, ps := serve(t, Config{Node: "n1", MaxPending: 2, Timeout: 200 * time.Millisecond})
 	for _, n := range []string{"a", "b", "c"} {
 		ps.set("mesh/"+n, Pod{UID: n, Node: "n1", InMesh: true})
@@ -106,6 +108,7 @@ func TestPendingBound(t *testing.T) {
 // status (the model took over), when the pod is replaced or gone, and
 // with its own sandbox's DEL only.
 func TestExpire(t *testing.T) {
+	fixture.RequireRoot(t, "the gate answers only root peers: the plugin runs as root")
 	g, ps := serve(t, Config{Node: "n1", Timeout: time.Second})
 	ps.set("mesh/a", Pod{UID: "u1", Node: "n1", InMesh: true})
 	addr := netip.MustParseAddr("10.0.0.1")

@@ -21,6 +21,7 @@ import (
 
 	"github.com/meshtun/meshtun/mesh/metrics"
 	"github.com/meshtun/meshtun/stack/classify"
+	"github.com/meshtun/meshtun/test/fixture"
 )
 
 // The child side of TestAdminPrivilegedEndpointsOnlyForRoot: run as an
@@ -98,9 +99,7 @@ func runUnprivileged(t *testing.T, bin, tcpAddr, sock string) map[string]string 
 // the socket, and the change is logged before it applies, even when it
 // raises the level above warn.
 func TestAdminPrivilegedEndpointsOnlyForRoot(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Fatal("this test needs root: it runs a child as uid 65534")
-	}
+	fixture.RequireRoot(t, "it runs a child as uid 65534")
 	prev := zerolog.GlobalLevel()
 	zerolog.SetGlobalLevel(zerolog.InfoLevel)
 	t.Cleanup(func() { zerolog.SetGlobalLevel(prev) })
@@ -235,9 +234,7 @@ func TestAdminPrivilegedEndpointsOnlyForRoot(t *testing.T) {
 // and others may write to it (an emptyDir volume is 0777); refused when
 // another user owns it.
 func TestAdminSocketDirectory(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Fatal("this test needs root: it chowns a directory")
-	}
+	fixture.RequireRoot(t, "it chowns a directory")
 	dir := t.TempDir()
 	loose := filepath.Join(dir, "loose")
 	if err := os.Mkdir(loose, 0o777); err != nil {

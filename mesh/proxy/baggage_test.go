@@ -136,7 +136,7 @@ func TestRecordClusterAndLocality(t *testing.T) {
 	p := &Proxy{access: zerolog.New(&buf)}
 	r := p.newRecord(netip.MustParseAddrPort("10.0.0.1:1"), netip.MustParseAddrPort("10.0.0.2:2"), src, dst, "outbound", "hbone")
 	r.event(p.access.Info()).Msg("x")
-	l := buf.lines(t)[0]
+	l := buf.Lines(t)[0]
 	if l["src.cluster"] != "east" || l["dst.cluster"] != "west" || l["trace_id"] != r.trace.TraceIDString() || r.trace.IsZero() {
 		t.Errorf("access log %v: want src.cluster east, dst.cluster west, trace_id %s", l, r.trace.TraceIDString())
 	}

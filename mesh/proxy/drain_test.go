@@ -1,12 +1,10 @@
 package proxy
 
 import (
-	"bytes"
 	"context"
 	"crypto/tls"
 	"errors"
 	"net/netip"
-	"os"
 	"testing"
 	"time"
 
@@ -21,38 +19,18 @@ import (
 	"github.com/meshtun/meshtun/protocols/hbone"
 	"github.com/meshtun/meshtun/stack"
 	"github.com/meshtun/meshtun/stack/classify"
+	"github.com/meshtun/meshtun/test/fixture"
 )
 
-// memDev is a stack.Device in memory: the test writes packets in, and
-// reads what the netstack (or the verbatim path) writes out.
-type memDev struct {
-	in   chan []byte
-	out  chan []byte
-	done chan struct{}
-}
+// memDev is test/fixture's device in memory, without a virtio-net
+// header; a write the test does not read in time is dropped.
+type memDev struct{ *fixture.MemDevice }
 
-func newMemDev() *memDev {
-	return &memDev{in: make(chan []byte), out: make(chan []byte, 1024), done: make(chan struct{})}
+func newMemDev() memDev {
+	d := fixture.NewMemDevice(0, 1024)
+	d.Drop = true
+	return memDev{d}
 }
-
-func (d *memDev) Read(b []byte) (int, error) {
-	select {
-	case p := <-d.in:
-		return copy(b, p), nil
-	case <-d.done:
-		return 0, os.ErrClosed
-	}
-}
-
-func (d *memDev) Write(p []byte) (int, error) {
-	select {
-	case d.out <- bytes.Clone(p):
-	default: // a test that stopped reading must not block the stack
-	}
-	return len(p), nil
-}
-
-func (d *memDev) MTU() int { return 1500 }
 
 // syn returns an IPv4 TCP SYN from src to dst.
 func syn(src, dst netip.AddrPort) []byte {
@@ -74,12 +52,12 @@ type segment struct {
 }
 
 // next returns the next TCP segment written to d that match accepts.
-func (d *memDev) next(t *testing.T, match func(segment) bool) (segment, bool) {
+func (d memDev) next(t *testing.T, match func(segment) bool) (segment, bool) {
 	t.Helper()
 	deadline := time.After(5 * time.Second)
 	for {
 		select {
-		case p := <-d.out:
+		case p := <-d.Out:
 			ip := header.IPv4(p)
 			if len(p) < header.IPv4MinimumSize || ip.TransportProtocol() != header.TCPProtocolNumber {
 				continue
@@ -103,7 +81,7 @@ func (d *memDev) next(t *testing.T, match func(segment) bool) (segment, bool) {
 // memory, every SYN intercepted.
 type stackEnv struct {
 	p      *Proxy
-	dev    *memDev
+	dev    memDev
 	access *syncBuffer
 }
 
@@ -157,18 +135,14 @@ func newStackEnv(t *testing.T, more ...*registry.Workload) *stackEnv {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { close(e.dev.done); st.Close() })
+	t.Cleanup(func() { e.dev.Close(); st.Close() })
 	e.p.SetDialer(st)
 	return e
 }
 
 func (e *stackEnv) send(t *testing.T, pkt []byte) {
 	t.Helper()
-	select {
-	case e.dev.in <- pkt:
-	case <-time.After(5 * time.Second):
-		t.Fatal("the stack does not read")
-	}
+	e.dev.Send(t, pkt)
 }
 
 // TestOutboundRefusedWhileDraining: after StopNew, a connection a local
@@ -202,7 +176,7 @@ func TestOutboundRefusedWhileDraining(t *testing.T) {
 	case !s.flags.Contains(header.TCPFlagRst):
 		t.Fatalf("while draining: the client got %v, want a reset", s.flags)
 	}
-	rec := e.access.waitLine(t, func(l map[string]any) bool { return l["src.addr"] == from.String() })
+	rec := e.access.WaitLine(t, func(l map[string]any) bool { return l["src.addr"] == from.String() })
 	if rec["response_flags"] != "DRAIN" || rec["message"] != "connection refused" || rec["route"] != "drain" {
 		t.Errorf("access log of the refused connection: %v, want a refusal with response_flags DRAIN", rec)
 	}

@@ -59,7 +59,7 @@ func TestTLSFailureAccessLogLimited(t *testing.T) {
 	}
 	elapsed := time.Since(start)
 	var lines int
-	for _, l := range e.access.lines(t) {
+	for _, l := range e.access.Lines(t) {
 		if l["message"] == "connection refused" && l["response_flags"] == "TLS_FAILURE" {
 			lines++
 		}

@@ -1,15 +1,11 @@
 package proxy
 
 import (
-	"bufio"
-	"bytes"
 	"context"
 	"crypto/tls"
-	"encoding/json"
 	"errors"
 	"net"
 	"net/netip"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -22,72 +18,11 @@ import (
 	"github.com/meshtun/meshtun/mesh/registry"
 	"github.com/meshtun/meshtun/protocols/hbone"
 	"github.com/meshtun/meshtun/stack"
+	"github.com/meshtun/meshtun/test/fixture"
 )
 
-// syncBuffer is a bytes.Buffer safe for concurrent writes (the access log).
-type syncBuffer struct {
-	mu    sync.Mutex
-	b     bytes.Buffer
-	wrote chan struct{} // a token after each write; made on first use
-}
-
-func (s *syncBuffer) notify() chan struct{} {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.wrote == nil {
-		s.wrote = make(chan struct{}, 1)
-	}
-	return s.wrote
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	ch := s.notify()
-	s.mu.Lock()
-	n, err := s.b.Write(p)
-	s.mu.Unlock()
-	select {
-	case ch <- struct{}{}:
-	default:
-	}
-	return n, err
-}
-
-// waitLine returns the first line for which match is true, waiting for
-// it up to 5 s.
-func (s *syncBuffer) waitLine(t *testing.T, match func(map[string]any) bool) map[string]any {
-	t.Helper()
-	ch := s.notify()
-	deadline := time.After(5 * time.Second)
-	for {
-		for _, l := range s.lines(t) {
-			if match(l) {
-				return l
-			}
-		}
-		select {
-		case <-ch:
-		case <-deadline:
-			return nil
-		}
-	}
-}
-
-// lines returns the JSON lines written so far.
-func (s *syncBuffer) lines(t *testing.T) []map[string]any {
-	t.Helper()
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	var out []map[string]any
-	sc := bufio.NewScanner(bytes.NewReader(s.b.Bytes()))
-	for sc.Scan() {
-		var m map[string]any
-		if err := json.Unmarshal(sc.Bytes(), &m); err != nil {
-			t.Fatalf("access log line %q: %v", sc.Text(), err)
-		}
-		out = append(out, m)
-	}
-	return out
-}
+// syncBuffer is the shared log sink of test/fixture.
+type syncBuffer = fixture.SyncBuffer
 
 // dialed is one DialTCP call of recordingDialer.
 type dialed struct{ src, dst netip.AddrPort }
@@ -247,7 +182,7 @@ func (e *inboundEnv) nextDial(t *testing.T) dialed {
 // lastRecord returns the last access-log line.
 func (e *inboundEnv) lastRecord(t *testing.T) map[string]any {
 	t.Helper()
-	l := e.access.lines(t)
+	l := e.access.Lines(t)
 	if len(l) == 0 {
 		t.Fatal("no access-log line")
 	}

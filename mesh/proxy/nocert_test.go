@@ -45,7 +45,7 @@ func TestUncertifiedWorkloadBlocked(t *testing.T) {
 		case !s.flags.Contains(header.TCPFlagRst):
 			t.Errorf("%s: the client got %v, want a reset", c.what, s.flags)
 		}
-		rec := e.access.waitLine(t, func(l map[string]any) bool { return l["src.addr"] == c.from.String() })
+		rec := e.access.WaitLine(t, func(l map[string]any) bool { return l["src.addr"] == c.from.String() })
 		if err, _ := rec["error"].(string); rec["message"] != "connection refused" || !strings.Contains(err, "nocert has no certificate") {
 			t.Errorf("%s: access log %v, want a refusal saying default/nocert has no certificate", c.what, rec)
 		}

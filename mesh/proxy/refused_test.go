@@ -46,7 +46,7 @@ func TestRefusedWorkloadDenied(t *testing.T) {
 		case !s.flags.Contains(header.TCPFlagRst):
 			t.Errorf("%s: the client got %v, want a reset", c.what, s.flags)
 		}
-		rec := e.access.waitLine(t, func(l map[string]any) bool { return l["src.addr"] == c.from.String() })
+		rec := e.access.WaitLine(t, func(l map[string]any) bool { return l["src.addr"] == c.from.String() })
 		if rec["response_flags"] != "DENY" || rec["message"] != "connection refused" {
 			t.Errorf("%s: access log %v, want a refusal with response_flags DENY", c.what, rec)
 		}

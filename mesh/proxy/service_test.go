@@ -179,7 +179,7 @@ func TestServiceLoadBalancingOnStack(t *testing.T) {
 			if c.dial != "" {
 				continue
 			}
-			rec := e.access.waitLine(t, func(l map[string]any) bool { return l["src.addr"] == from.String() })
+			rec := e.access.WaitLine(t, func(l map[string]any) bool { return l["src.addr"] == from.String() })
 			if c.flags == "CONNECT" && (rec["route"] != "hbone" || rec["dst.hbone_addr"] != "198.18.2.30:15008") {
 				t.Fatalf("%s: access log %v, want route hbone to 198.18.2.30:15008", c.what, rec)
 			}

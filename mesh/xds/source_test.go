@@ -180,6 +180,7 @@ func (f *fakeIstiod) waitReq(t *testing.T, what string, pred func(*discoveryv3.D
 	}
 }
 
+//lint:ignore U1000 unused today; mesh/xds is being rewritten (issue 23 item 1), whose tests may count requests again
 func (f *fakeIstiod) count(pred func(*discoveryv3.DeltaDiscoveryRequest) bool) int {
 	f.mu.Lock()
 	defer f.mu.Unlock()

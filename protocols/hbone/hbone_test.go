@@ -306,6 +306,7 @@ func rawConnect(t *testing.T, f *fixture, method, authority string, h http.Heade
 		t.Fatal(err)
 	}
 	defer tc.Close()
+	//lint:ignore SA1019 x/net's client on a connection the test dialled: an HTTP/2 client independent of the server under test
 	cc, err := (&http2.Transport{}).NewClientConn(tc)
 	if err != nil {
 		t.Fatal(err)

@@ -695,7 +695,7 @@ func (sc *serverConn) parse(f *http2.MetaHeadersFrame) (*Request, int, error) {
 		case connHeaders[hf.Name] || (hf.Name == "te" && hf.Value != "trailers"):
 			return req, http.StatusBadRequest, fmt.Errorf("%w: connection-specific header %q", ErrBadRequest, hf.Name)
 		default:
-			req.Header.Add(http.CanonicalHeaderKey(hf.Name), hf.Value)
+			req.Header.Add(hf.Name, hf.Value) // Add canonicalizes the key
 		}
 	}
 	if method != http.MethodConnect {

@@ -35,15 +35,10 @@ type nodeProc struct{ *noderun.Process }
 func (p nodeProc) stop(sig syscall.Signal) error { return p.Stop(sig) }
 func (p nodeProc) dump() string                  { return p.Logs() }
 
-// startNode starts meshtun in n's namespace, capturing every pod, and waits
-// until it reports ready. It is stopped at the end of the test if still
-// running.
-func startNode(t testing.TB, c *cluster.Cluster, n *cluster.Node, extra ...string) nodeProc {
-	return startMeshNode(t, c, n, nil, nil, extra...)
-}
-
-// startMeshNode is startNode with the pods in outside left out of the mesh
-// and those in strict in STRICT mode.
+// startMeshNode starts meshtun in n's namespace, capturing every pod,
+// with the pods in outside left out of the mesh and those in strict in
+// STRICT mode, and waits until it reports ready. It is stopped at the end
+// of the test if still running.
 func startMeshNode(t testing.TB, c *cluster.Cluster, n *cluster.Node, outside, strict map[string]bool, extra ...string) nodeProc {
 	t.Helper()
 	m := noderun.Mesh{Pods: map[string]noderun.Pod{}}
@@ -72,15 +67,46 @@ func writeConfig(t testing.TB, c *cluster.Cluster, m noderun.Mesh) string {
 	return path
 }
 
-// caProcs holds the certificate service of each cluster (*cluster.Cluster
-// → *noderun.Process); the cluster stops it when it closes.
-var caProcs sync.Map
+// harness is what the tests know about the clusters they made, for the
+// helpers below: each cluster's directory (its config file and CA) and
+// certificate service, and which cluster a config file belongs to. Tests
+// that run in parallel share it; its lock makes "start the CA unless it
+// runs" one step.
+type harness struct {
+	mu       sync.Mutex
+	dirs     map[*cluster.Cluster]string
+	cas      map[*cluster.Cluster]*noderun.Process // the cluster stops each when it closes
+	clusters map[string]*cluster.Cluster           // config path → cluster whose CA serves it
+}
 
-// startCA starts `meshtun ca` for c unless it runs already, and returns it.
-func startCA(t testing.TB, c *cluster.Cluster, path string) *noderun.Process {
+// lab is the harness of this test binary.
+var lab = &harness{
+	dirs:     map[*cluster.Cluster]string{},
+	cas:      map[*cluster.Cluster]*noderun.Process{},
+	clusters: map[string]*cluster.Cluster{},
+}
+
+// dir returns the directory of c's config file and CA, a temporary
+// directory of t the first time.
+func (h *harness) dir(t testing.TB, c *cluster.Cluster) string {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	d, ok := h.dirs[c]
+	if !ok {
+		d = t.TempDir()
+		h.dirs[c] = d
+	}
+	return d
+}
+
+// startCA starts `meshtun ca` for c with the config at path unless it runs
+// already, and returns it.
+func (h *harness) startCA(t testing.TB, c *cluster.Cluster, path string) *noderun.Process {
 	t.Helper()
-	if p, ok := caProcs.Load(c); ok {
-		return p.(*noderun.Process)
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if p, ok := h.cas[c]; ok {
+		return p
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
@@ -88,8 +114,8 @@ func startCA(t testing.TB, c *cluster.Cluster, path string) *noderun.Process {
 	if err != nil {
 		t.Fatal(err)
 	}
-	caProcs.Store(c, p)
-	clusterOf.Store(path, c)
+	h.cas[c] = p
+	h.clusters[path] = c
 	t.Cleanup(func() {
 		if t.Failed() {
 			t.Logf("meshtun ca log:\n%s", p.Logs())
@@ -98,8 +124,20 @@ func startCA(t testing.TB, c *cluster.Cluster, path string) *noderun.Process {
 	return p
 }
 
-// clusterOf maps a config path to its cluster, for startWithConfig.
-var clusterOf sync.Map
+// hasCA reports whether a certificate service serves the config at path:
+// then a node started with it needs its credentials issued.
+func (h *harness) hasCA(path string) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	_, ok := h.clusters[path]
+	return ok
+}
+
+// startCA starts `meshtun ca` for c unless it runs already, and returns it.
+func startCA(t testing.TB, c *cluster.Cluster, path string) *noderun.Process {
+	t.Helper()
+	return lab.startCA(t, c, path)
+}
 
 // startWithConfig starts meshtun in n's namespace with the config file at
 // path and waits until it reports ready. It is stopped at the end of the
@@ -109,7 +147,7 @@ func startWithConfig(t testing.TB, n *cluster.Node, path string, extra ...string
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	args := append([]string{"--config", path, "--log-level", "debug"}, extra...)
-	if _, ok := clusterOf.Load(path); ok {
+	if lab.hasCA(path) {
 		cred := noderun.CredentialDir(path, n)
 		if _, err := os.Stat(cred); err != nil {
 			if cred, err = noderun.IssueNodeCredential(ctx, meshtunBin, path, n); err != nil {
@@ -131,17 +169,8 @@ func startWithConfig(t testing.TB, n *cluster.Node, path string, extra ...string
 	return nodeProc{p}
 }
 
-var clusterDirs sync.Map // *cluster.Cluster → string
-
 // clusterDir returns the directory of c's config file and CA.
-func clusterDir(t testing.TB, c *cluster.Cluster) string {
-	if d, ok := clusterDirs.Load(c); ok {
-		return d.(string)
-	}
-	d := t.TempDir()
-	clusterDirs.Store(c, d)
-	return d
-}
+func clusterDir(t testing.TB, c *cluster.Cluster) string { return lab.dir(t, c) }
 
 // caDir returns the CA directory of c's certificate service.
 func caDir(t testing.TB, c *cluster.Cluster) string {

@@ -1,7 +1,6 @@
 package caserver
 
 import (
-	"bytes"
 	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
@@ -9,7 +8,6 @@ import (
 	"crypto/x509"
 	"net"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -20,27 +18,13 @@ import (
 
 	"github.com/meshtun/meshtun/mesh/identity"
 	"github.com/meshtun/meshtun/mesh/registry"
+	testfixture "github.com/meshtun/meshtun/test/fixture"
 )
 
 var td = spiffeid.RequireTrustDomainFromString("cluster.local")
 
-// syncBuffer collects log output written from the server's goroutines.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
+// syncBuffer is the shared log sink of test/fixture.
+type syncBuffer = testfixture.SyncBuffer
 
 func wid(ns, sa string) spiffeid.ID { return spiffeid.RequireFromSegments(td, "ns", ns, "sa", sa) }
 

@@ -106,11 +106,13 @@ func TestRequests(t *testing.T) {
 	if _, err := c.APIResources(ctx, "nothere.example/v1"); err == nil {
 		t.Error("APIResources of a group the server does not serve: no error")
 	}
+	//lint:ignore SA1019 ListWatch returns a cache.ListerWatcher: the test checks that interface's own List and Watch
 	obj, err := c.ListWatch("endpointslices", func(o *metav1.ListOptions) { o.LabelSelector = "x=y" }).List(metav1.ListOptions{})
 	if sl, ok := obj.(*discoveryv1.EndpointSliceList); err != nil || !ok || len(sl.Items) != 1 || sl.Items[0].Name != "s1" {
 		t.Errorf("ListWatch(endpointslices).List = %#v, %v", obj, err)
 	}
 	ts := int64(7)
+	//lint:ignore SA1019 as List above
 	w, err := c.ListWatch("pods", nil).Watch(metav1.ListOptions{TimeoutSeconds: &ts})
 	if err != nil {
 		t.Fatalf("ListWatch(pods).Watch: %v", err)

@@ -1,5 +1,0 @@
-//go:build !race
-
-package tun
-
-const raceEnabled = false
