@@ -161,10 +161,10 @@ func New(cfg Config) *Source {
 		UpdateFunc: func(any, any) { s.changed() },
 		DeleteFunc: func(any) { s.changed() },
 	}
-	pods := newInformer(cfg.Client.ListWatch("pods", nil), &corev1.Pod{}, cfg.Resync)
-	nss := newInformer(cfg.Client.ListWatch("namespaces", nil), &corev1.Namespace{}, cfg.Resync)
-	svcs := newInformer(cfg.Client.ListWatch("services", nil), &corev1.Service{}, cfg.Resync)
-	slices := newInformer(cfg.Client.ListWatch("endpointslices", nil), &discoveryv1.EndpointSlice{}, cfg.Resync)
+	pods := newInformer(cfg.Client.ListWatch("pods", nil), &corev1.Pod{}, cfg.Resync, transformPod)
+	nss := newInformer(cfg.Client.ListWatch("namespaces", nil), &corev1.Namespace{}, cfg.Resync, transformNamespace)
+	svcs := newInformer(cfg.Client.ListWatch("services", nil), &corev1.Service{}, cfg.Resync, transformService)
+	slices := newInformer(cfg.Client.ListWatch("endpointslices", nil), &discoveryv1.EndpointSlice{}, cfg.Resync, transformEndpointSlice)
 	s.infs = []cache.SharedIndexInformer{pods, nss, svcs, slices}
 	for _, inf := range s.infs {
 		inf.AddEventHandler(h)
@@ -181,9 +181,14 @@ func New(cfg Config) *Source {
 }
 
 // newInformer is an informer on lw's objects (like obj), indexed by
-// namespace as client-go's informer factory indexes them.
-func newInformer(lw cache.ListerWatcher, obj runtime.Object, resync time.Duration) cache.SharedIndexInformer {
-	return cache.NewSharedIndexInformer(lw, obj, resync, cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc})
+// namespace as client-go's informer factory indexes them, that caches
+// them as transform trims them (transform.go).
+func newInformer(lw cache.ListerWatcher, obj runtime.Object, resync time.Duration, transform cache.TransformFunc) cache.SharedIndexInformer {
+	inf := cache.NewSharedIndexInformer(lw, obj, resync, cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc})
+	if err := inf.SetTransform(transform); err != nil {
+		panic(err) // only once started
+	}
+	return inf
 }
 
 // runInformers runs infs until ctx ends; the returned function waits
@@ -512,6 +517,12 @@ func (s *Source) workload(p *corev1.Pod, enrolled map[string]bool, pa *peerAuthI
 	}
 	w.ProbePorts = probePorts(p)
 	pa.apply(w)
+	if n, dropped := p.Annotations[labelsDroppedAnnotation]; dropped {
+		// Its policies cannot be known: captured (if local) and denied.
+		w.Labels = nil
+		w.Refused = RefusedLabelsTooLarge
+		return w, "labels of " + n + " bytes, over " + strconv.Itoa(MaxPodLabelBytes) + ": refused"
+	}
 	return w, ""
 }
 

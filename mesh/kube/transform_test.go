@@ -1,0 +1,178 @@
+package kube
+
+import (
+	"encoding/json"
+	"net/netip"
+	"slices"
+	"strings"
+	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/apimachinery/pkg/util/validation"
+)
+
+// fatPod is a pod as the API server sends it, with what the model does
+// not read: managedFields, env, volumes, a tenant's large annotation.
+func fatPod() *corev1.Pod {
+	p := pod("mesh", "fat", "n1", "198.18.1.11", "fd00:6d74:1::11")
+	p.UID = "u-1"
+	p.Annotations = map[string]string{"tenant/blob": strings.Repeat("x", 200<<10), RedirectionAnnotation: RedirectionEnabled}
+	p.ManagedFields = []metav1.ManagedFieldsEntry{{Manager: "kubectl", FieldsV1: &metav1.FieldsV1{Raw: []byte(`{"f:spec":{}}`)}}}
+	p.OwnerReferences = []metav1.OwnerReference{{Kind: "ReplicaSet", Name: "fat-1"}}
+	var env []corev1.EnvVar
+	for i := range 100 {
+		env = append(env, corev1.EnvVar{Name: "V" + strings.Repeat("x", i), Value: strings.Repeat("y", 100)})
+	}
+	p.Spec.Containers = []corev1.Container{
+		{Name: "app", Image: "example.invalid/app:1", Env: env, Command: []string{"/bin/app", "--flag"},
+			Ports:          []corev1.ContainerPort{{Name: "http", ContainerPort: 8080}, {Name: "health", ContainerPort: 8081}, {Name: "other", ContainerPort: 9999}},
+			ReadinessProbe: &corev1.Probe{ProbeHandler: corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Port: intstr.FromString("health"), Path: "/ready", Host: "h"}}, PeriodSeconds: 3},
+			LivenessProbe:  &corev1.Probe{ProbeHandler: corev1.ProbeHandler{TCPSocket: &corev1.TCPSocketAction{Port: intstr.FromInt32(9000)}}},
+			StartupProbe:   &corev1.Probe{ProbeHandler: corev1.ProbeHandler{Exec: &corev1.ExecAction{Command: []string{"true"}}}}},
+		{Name: "sidecar", Image: "example.invalid/side:1", Env: env},
+	}
+	p.Spec.InitContainers = []corev1.Container{{Name: "init", Image: "example.invalid/init:1",
+		StartupProbe: &corev1.Probe{ProbeHandler: corev1.ProbeHandler{GRPC: &corev1.GRPCAction{Port: 7000}}}}}
+	p.Spec.Volumes = []corev1.Volume{{Name: "v", VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{}}}}
+	p.Status.ContainerStatuses = []corev1.ContainerStatus{{Name: "app", Image: "example.invalid/app:1", ImageID: strings.Repeat("sha", 30)}}
+	p.Status.Conditions = append(p.Status.Conditions, corev1.PodCondition{Type: corev1.PodScheduled, Status: corev1.ConditionTrue, Message: strings.Repeat("m", 1000)})
+	return p
+}
+
+// TestTransformPod: the cached pod keeps what the model, the gate and the
+// redirector read, and nothing else: the same workload, probe ports,
+// enrollment and redirection; a few hundred bytes instead of the
+// tenant's 200 KiB.
+func TestTransformPod(t *testing.T) {
+	in := fatPod()
+	orig := in.DeepCopy()
+	size := func(v any) int { b, _ := json.Marshal(v); return len(b) }
+	before := size(in)
+	obj, err := transformPod(in)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := obj.(*corev1.Pod)
+	after := size(p)
+	t.Logf("pod: %d bytes as sent, %d cached", before, after)
+	if after > 1024 {
+		t.Errorf("cached pod is %d bytes, want ≤ 1 KiB: %s", after, must(json.Marshal(p)))
+	}
+	if p.Name != orig.Name || p.Namespace != orig.Namespace || p.UID != orig.UID || p.Spec.NodeName != "n1" ||
+		p.Spec.ServiceAccountName != orig.Spec.ServiceAccountName || p.Status.Phase != corev1.PodRunning ||
+		!slices.Equal(p.Status.PodIPs, orig.Status.PodIPs) || p.Labels["app"] != "fat" {
+		t.Errorf("cached pod lost what the model reads: %s", must(json.Marshal(p)))
+	}
+	if got, want := probePorts(p), probePorts(orig); !slices.Equal(got, want) || !slices.Equal(want, []uint16{7000, 8081, 9000}) {
+		t.Errorf("probe ports %v from the cache, %v from the pod; want [7000 8081 9000]", got, want)
+	}
+	if p.Annotations[RedirectionAnnotation] != RedirectionEnabled || len(p.Annotations) != 1 {
+		t.Errorf("annotations %v, want only the redirection annotation", p.Annotations)
+	}
+	if len(p.Status.Conditions) != 1 || p.Status.Conditions[0].Type != corev1.PodReady {
+		t.Errorf("conditions %v, want only Ready", p.Status.Conditions)
+	}
+	// Idempotent: the cached pod transformed again is the same.
+	again, _ := transformPod(p.DeepCopy())
+	if a, b := must(json.Marshal(again)), must(json.Marshal(p)); string(a) != string(b) {
+		t.Errorf("transform is not idempotent:\n%s\n%s", a, b)
+	}
+}
+
+// TestTransformLabelsBounded: a pod whose labels exceed MaxPodLabelBytes
+// is cached without them, and refused (its policies cannot be known),
+// the enrollment label kept; its neighbour is unaffected; the
+// transform's marker cannot come from the API server.
+func TestTransformLabelsBounded(t *testing.T) {
+	big := pod("mesh", "big", "n1", "198.18.1.12")
+	for i := range 200 {
+		big.Labels["k"+strings.Repeat("x", 40)+string(rune('a'+i%26))+strings.Repeat("z", i/26)] = strings.Repeat("v", 60)
+	}
+	big.Labels[DataplaneModeLabel] = ModeAmbient
+	// The marker cannot come from the API server: its key is not a
+	// valid annotation key (apimachinery's validation, which the API
+	// server applies to every object's annotations).
+	if errs := validation.IsQualifiedName(labelsDroppedAnnotation); len(errs) == 0 {
+		t.Errorf("%s is a valid annotation key: a tenant could set it", labelsDroppedAnnotation)
+	}
+	s, _ := start(t, ns("plain", false), big, pod("plain", "ok", "n1", "198.18.1.11"))
+	snap, err := s.Build()
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := snap.Workload(netip.MustParseAddr("198.18.1.12"))
+	if w == nil || w.Refused != RefusedLabelsTooLarge || !w.InMesh || len(w.Labels) != 0 {
+		t.Fatalf("pod with %d bytes of labels: %+v, want a refused mesh workload (enrolled by its kept label) without labels", labelBytes(big.Labels), w)
+	}
+	if w := snap.Workload(netip.MustParseAddr("198.18.1.11")); w == nil || w.Refused != "" {
+		t.Errorf("control: %+v", w)
+	}
+	cached, err := s.pods.Pods("mesh").Get("big")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(cached.Labels) != 1 {
+		t.Errorf("cached labels %v, want only %s", cached.Labels, DataplaneModeLabel)
+	}
+}
+
+// TestTransformOthers: services, EndpointSlices, namespaces and Istio
+// resources are cached without their labels, annotations and
+// managedFields, keeping what the model reads.
+func TestTransformOthers(t *testing.T) {
+	blob := map[string]string{"tenant/blob": strings.Repeat("x", 10<<10)}
+	mf := []metav1.ManagedFieldsEntry{{Manager: "kubectl", FieldsV1: &metav1.FieldsV1{Raw: []byte(strings.Repeat(" ", 1000))}}}
+	svc := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "web", Annotations: blob, Labels: blob, ManagedFields: mf},
+		Spec: corev1.ServiceSpec{ClusterIPs: []string{"198.19.0.10"}, Selector: blob,
+			Ports: []corev1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromString("http")}}}}
+	sl := &discoveryv1.EndpointSlice{ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "web-1", Annotations: blob, ManagedFields: mf,
+		Labels: map[string]string{discoveryv1.LabelServiceName: "web", "tenant/blob": blob["tenant/blob"]}},
+		Ports: []discoveryv1.EndpointPort{{Name: ptr("http"), Port: ptr(int32(8080))}},
+		Endpoints: []discoveryv1.Endpoint{{Addresses: []string{"198.18.1.11"}, Hostname: ptr(blob["tenant/blob"]),
+			Conditions: discoveryv1.EndpointConditions{Ready: ptr(true)}, TargetRef: &corev1.ObjectReference{Kind: "Pod", Name: "a", UID: "u"}}}}
+	n := ns("mesh", true)
+	n.Annotations, n.ManagedFields = blob, mf
+	n.Labels["tenant/blob"] = blob["tenant/blob"]
+	pa := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "security.istio.io/v1", "kind": "PeerAuthentication",
+		"metadata": map[string]any{"name": "strict", "namespace": "mesh", "annotations": map[string]any{"tenant/blob": blob["tenant/blob"]}, "managedFields": []any{"x"}},
+		"spec":     map[string]any{"mtls": map[string]any{"mode": "STRICT"}},
+		"status":   map[string]any{"x": blob["tenant/blob"]},
+	}}
+	for _, c := range []struct {
+		obj any
+		tf  func(any) (any, error)
+	}{{svc, transformService}, {sl, transformEndpointSlice}, {n, transformNamespace}, {pa, transformIstio}} {
+		out, err := c.tf(c.obj)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b := must(json.Marshal(out))
+		if len(b) > 600 || strings.Contains(string(b), "tenant") || strings.Contains(string(b), "kubectl") {
+			t.Errorf("%T cached as %d bytes: %s", c.obj, len(b), b)
+		}
+	}
+	s, _ := start(t, n, svc, sl, pod("mesh", "a", "n1", "198.18.1.11"))
+	snap, err := s.Build()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, port := snap.Service(netip.MustParseAddrPort("198.19.0.10:80"))
+	if got == nil || port.Target() != 8080 || len(got.Endpoints(netip.MustParseAddr("198.19.0.10"))) != 1 {
+		t.Errorf("service from the trimmed caches: %+v %+v", got, port)
+	}
+	if w := snap.Workload(netip.MustParseAddr("198.18.1.11")); w == nil || !w.InMesh {
+		t.Errorf("pod a in an ambient namespace from the trimmed caches: %+v", w)
+	}
+}
+
+func must(b []byte, err error) []byte {
+	if err != nil {
+		panic(err)
+	}
+	return b
+}
