@@ -1,6 +1,7 @@
 package kube
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"net/netip"
@@ -10,13 +11,17 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/rs/zerolog"
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	kruntime "k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/apimachinery/pkg/util/validation"
+	"k8s.io/client-go/kubernetes/fake"
 )
 
 // fatPod is a pod as the API server sends it, with what the model does
@@ -246,5 +251,64 @@ func BenchmarkPodCache(b *testing.B) {
 				}
 			})
 		}
+	}
+}
+
+// BenchmarkSourceHeap measures the live heap a Source adds with 10,000
+// pods (test/kube's benchmark shape) and 2,000 services with an
+// EndpointSlice each: its trimmed caches and the snapshot built from
+// them. Reported as B/pod (everything divided by the pods):
+// `go test -run '^$' -bench SourceHeap ./mesh/kube/`.
+func BenchmarkSourceHeap(b *testing.B) {
+	const pods, svcs = 10000, 2000
+	for range b.N {
+		objs := []kruntime.Object{}
+		for i := range 10 {
+			objs = append(objs, ns(fmt.Sprintf("scale-%02d", i), true))
+		}
+		for i := range pods {
+			p := pod(fmt.Sprintf("scale-%02d", i*10/pods), fmt.Sprintf("p-%05d", i), fmt.Sprintf("fake-%02d", i%50),
+				fmt.Sprintf("198.18.%d.%d", 200+i/250, 1+i%250), fmt.Sprintf("fd00:6d74:%d::%d", 200+i/250, 1+i%250))
+			p.Labels = map[string]string{"app": fmt.Sprintf("svc-%04d", i/(pods/svcs))}
+			p.UID = types.UID(fmt.Sprintf("0b6f3c1e-5d2a-4a8e-9f1c-%012d", i))
+			p.Spec.Containers = []corev1.Container{{Name: "app", Image: "example.invalid/app:1",
+				Ports: []corev1.ContainerPort{{Name: "http", ContainerPort: 8080}}}}
+			objs = append(objs, p)
+		}
+		for j := range svcs {
+			namespace, name := fmt.Sprintf("scale-%02d", j*10/svcs), fmt.Sprintf("svc-%04d", j)
+			objs = append(objs, &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: namespace, Name: name},
+				Spec: corev1.ServiceSpec{ClusterIPs: []string{fmt.Sprintf("198.19.%d.%d", j/250, 1+j%250)}, Selector: map[string]string{"app": name},
+					Ports: []corev1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromInt32(8080)}}}})
+			var eps []discoveryv1.Endpoint
+			for i := j * pods / svcs; i < (j+1)*pods/svcs; i++ {
+				eps = append(eps, discoveryv1.Endpoint{Addresses: []string{fmt.Sprintf("198.18.%d.%d", 200+i/250, 1+i%250)},
+					Conditions: discoveryv1.EndpointConditions{Ready: ptr(true)},
+					TargetRef:  &corev1.ObjectReference{Kind: "Pod", Namespace: namespace, Name: fmt.Sprintf("p-%05d", i)}})
+			}
+			objs = append(objs, &discoveryv1.EndpointSlice{ObjectMeta: metav1.ObjectMeta{Namespace: namespace, Name: name + "-v4",
+				Labels: map[string]string{discoveryv1.LabelServiceName: name}}, AddressType: discoveryv1.AddressTypeIPv4,
+				Ports: []discoveryv1.EndpointPort{{Name: ptr("http"), Port: ptr(int32(8080))}}, Endpoints: eps})
+		}
+		cs := fake.NewClientset(objs...)
+		runtime.GC()
+		var m0, m1 runtime.MemStats
+		runtime.ReadMemStats(&m0)
+		s := New(Config{Client: fakeAPI{cs}, Node: "n1", TrustDomain: spiffeid.RequireTrustDomainFromString("cluster.local"), Logger: zerolog.Nop()})
+		ctx, cancel := context.WithCancel(context.Background())
+		snap, err := s.Start(ctx)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if len(snap.Workloads) != pods {
+			b.Fatalf("%d workloads, want %d", len(snap.Workloads), pods)
+		}
+		runtime.GC()
+		runtime.ReadMemStats(&m1)
+		b.ReportMetric(float64(m1.HeapAlloc-m0.HeapAlloc)/pods, "B/pod")
+		runtime.KeepAlive(snap)
+		runtime.KeepAlive(s)
+		runtime.KeepAlive(cs)
+		cancel()
 	}
 }
