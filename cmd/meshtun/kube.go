@@ -18,6 +18,7 @@ import (
 	"github.com/meshtun/meshtun/mesh/config"
 	"github.com/meshtun/meshtun/mesh/kube"
 	"github.com/meshtun/meshtun/mesh/kube/kubeapi"
+	"github.com/meshtun/meshtun/tun"
 )
 
 // newKube returns the source of the mesh model that follows the API server
@@ -42,10 +43,28 @@ func newKube(kubeconfig, nodeName string, c *config.Config, announced func(ns, n
 	src := kube.New(kube.Config{
 		Client: cs, Dynamic: dyn, Node: nodeName,
 		TrustDomain: c.TrustDomainID(), RootNamespace: c.RootNamespace, DomainSuffix: c.ClusterDomain,
-		PeerAuth: c.DefaultPeerAuth(), Policies: c.Policies(), Announced: announced, Logger: log,
+		PeerAuth: c.DefaultPeerAuth(), Policies: c.Policies(), Announced: announced,
+		LocalAddress: podLinkHere(log), Logger: log,
 	})
 	log.Info().Str("server", rc.Host).Str("node", nodeName).Msg("kubernetes: connecting")
 	return src, nil
+}
+
+// podLinkHere returns kube.Config.LocalAddress: an address is this
+// node's pod's when the node's routes lead it to a pod link here (a host
+// route to a link that is not the uplink, or a bridge CNI's bridge), as
+// capture finds it (tun.HostLinks). Asked only when pods of different
+// nodes claim the address.
+func podLinkHere(log zerolog.Logger) func(netip.Addr) bool {
+	return func(a netip.Addr) bool {
+		links, err := tun.HostLinks([]netip.Addr{a})
+		if err != nil {
+			log.Warn().Err(err).Str("address", a.String()).Msg("cannot verify that a pod address claimed by two nodes is routed here; denying it")
+			return false
+		}
+		_, ok := links[a.Unmap()]
+		return ok
+	}
 }
 
 // restConfig is the API server client configuration: from kubeconfig if

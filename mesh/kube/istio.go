@@ -131,7 +131,7 @@ func (is *istio) informer(resource schema.GroupVersionResource, resync time.Dura
 	}
 	// The wrapper tells the reflector whether the client can stream the
 	// initial list (WatchList): the fake one of the tests cannot.
-	return newInformer(cache.ToListWatcherWithWatchListSemantics(lw, is.dyn), &unstructured.Unstructured{}, resync)
+	return newInformer(cache.ToListWatcherWithWatchListSemantics(lw, is.dyn), &unstructured.Unstructured{}, resync, transformIstio)
 }
 
 // policies returns the AuthorizationPolicies as the policy engine's

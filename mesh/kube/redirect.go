@@ -66,8 +66,8 @@ func NewRedirector(cs API, node string, enroll func(map[registry.WorkloadRef]boo
 	}
 	r.pods = newInformer(cs.ListWatch("pods", func(o *metav1.ListOptions) {
 		o.FieldSelector = fields.OneTermEqualSelector("spec.nodeName", node).String()
-	}), &corev1.Pod{}, 0)
-	r.nss = newInformer(cs.ListWatch("namespaces", nil), &corev1.Namespace{}, 0)
+	}), &corev1.Pod{}, 0, transformPod)
+	r.nss = newInformer(cs.ListWatch("namespaces", nil), &corev1.Namespace{}, 0, transformNamespace)
 	h := cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(any) { r.changed() },
 		UpdateFunc: func(any, any) { r.changed() },

@@ -91,7 +91,13 @@ type Config struct {
 	// (gate.Gate.Announced): such a pod is a workload with them, running
 	// or pending, before the API server shows its IPs.
 	Announced func(namespace, name, uid string) []netip.Addr
-	Logger    zerolog.Logger
+	// LocalAddress, if set, reports whether this node's own routes lead
+	// address a to a pod's link here (tun.HostLinks): it is asked only
+	// when pods of different nodes claim a, and a pod of this node wins
+	// the address only if it says yes. Without it, a pod scheduled to
+	// this node wins on that alone.
+	LocalAddress func(a netip.Addr) bool
+	Logger       zerolog.Logger
 }
 
 // Source watches the API server and builds snapshots of the mesh: a
@@ -113,7 +119,8 @@ type Source struct {
 
 	mu     sync.Mutex
 	status Status
-	last   map[string]string // pod key → last logged skip reason / "captured"
+	last   map[string]string     // pod key → last logged skip reason / "captured"
+	claims map[netip.Addr]string // contested address → last logged conflict
 }
 
 // Status is what the source last built, for /config_dump.
@@ -156,10 +163,10 @@ func New(cfg Config) *Source {
 		UpdateFunc: func(any, any) { s.changed() },
 		DeleteFunc: func(any) { s.changed() },
 	}
-	pods := newInformer(cfg.Client.ListWatch("pods", nil), &corev1.Pod{}, cfg.Resync)
-	nss := newInformer(cfg.Client.ListWatch("namespaces", nil), &corev1.Namespace{}, cfg.Resync)
-	svcs := newInformer(cfg.Client.ListWatch("services", nil), &corev1.Service{}, cfg.Resync)
-	slices := newInformer(cfg.Client.ListWatch("endpointslices", nil), &discoveryv1.EndpointSlice{}, cfg.Resync)
+	pods := newInformer(cfg.Client.ListWatch("pods", nil), &corev1.Pod{}, cfg.Resync, transformPod)
+	nss := newInformer(cfg.Client.ListWatch("namespaces", nil), &corev1.Namespace{}, cfg.Resync, transformNamespace)
+	svcs := newInformer(cfg.Client.ListWatch("services", nil), &corev1.Service{}, cfg.Resync, transformService)
+	slices := newInformer(cfg.Client.ListWatch("endpointslices", nil), &discoveryv1.EndpointSlice{}, cfg.Resync, transformEndpointSlice)
 	s.infs = []cache.SharedIndexInformer{pods, nss, svcs, slices}
 	for _, inf := range s.infs {
 		inf.AddEventHandler(h)
@@ -176,9 +183,14 @@ func New(cfg Config) *Source {
 }
 
 // newInformer is an informer on lw's objects (like obj), indexed by
-// namespace as client-go's informer factory indexes them.
-func newInformer(lw cache.ListerWatcher, obj runtime.Object, resync time.Duration) cache.SharedIndexInformer {
-	return cache.NewSharedIndexInformer(lw, obj, resync, cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc})
+// namespace as client-go's informer factory indexes them, that caches
+// them as transform trims them (transform.go).
+func newInformer(lw cache.ListerWatcher, obj runtime.Object, resync time.Duration, transform cache.TransformFunc) cache.SharedIndexInformer {
+	inf := cache.NewSharedIndexInformer(lw, obj, resync, cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc})
+	if err := inf.SetTransform(transform); err != nil {
+		panic(err) // only once started
+	}
+	return inf
 }
 
 // runInformers runs infs until ctx ends; the returned function waits
@@ -254,7 +266,7 @@ func (s *Source) SourceStatus() any { return s.Status() }
 
 // Build builds a snapshot from the informers' caches.
 func (s *Source) Build() (*registry.Snapshot, error) {
-	m, local, err := s.model()
+	m, local, claims, err := s.model()
 	var snap *registry.Snapshot
 	if err == nil {
 		// model resolves pods' and services' address conflicts itself,
@@ -283,6 +295,7 @@ func (s *Source) Build() (*registry.Snapshot, error) {
 	s.status.Workloads = len(m.Workloads)
 	s.status.Services = len(m.Services)
 	s.logChanges(local)
+	s.logClaims(claims)
 	return snap, nil
 }
 
@@ -314,9 +327,26 @@ func (s *Source) logChanges(local []PodStatus) {
 	}
 }
 
+// logClaims logs each address claimed by more than one pod when its
+// conflict appears or changes, and when it ends.
+func (s *Source) logClaims(claims map[netip.Addr]string) {
+	for a, c := range claims {
+		if s.claims[a] == c {
+			continue
+		}
+		s.log.Warn().Str("address", a.String()).Str("conflict", c).Msg("pods claim the same address")
+	}
+	for a := range s.claims {
+		if _, still := claims[a]; !still {
+			s.log.Info().Str("address", a.String()).Msg("address no longer claimed by more than one pod")
+		}
+	}
+	s.claims = claims
+}
+
 // model builds the registry model from the caches, and the status of this
 // node's pods.
-func (s *Source) model() (registry.Model, []PodStatus, error) {
+func (s *Source) model() (registry.Model, []PodStatus, map[netip.Addr]string, error) {
 	m := registry.Model{
 		TrustDomain: s.cfg.TrustDomain, RootNamespace: s.cfg.RootNamespace,
 		DomainSuffix: s.cfg.DomainSuffix,
@@ -325,7 +355,7 @@ func (s *Source) model() (registry.Model, []PodStatus, error) {
 	pa := s.peerAuthIndex()
 	nsList, err := s.nss.List(labels.Everything())
 	if err != nil {
-		return m, nil, err
+		return m, nil, nil, err
 	}
 	enrolled := make(map[string]bool, len(nsList))
 	for _, ns := range nsList {
@@ -333,11 +363,11 @@ func (s *Source) model() (registry.Model, []PodStatus, error) {
 	}
 	pods, err := s.pods.List(labels.Everything())
 	if err != nil {
-		return m, nil, err
+		return m, nil, nil, err
 	}
-	// Oldest first: when two pods claim an address (a deleted pod not yet
-	// gone and a new one with its IP), the order decides, the same way on
-	// every node.
+	// Oldest first: when two pods of one node claim an address (a deleted
+	// pod not yet gone and a new one with its IP), the order decides, the
+	// same way on every node (resolveClaims).
 	sort.Slice(pods, func(i, j int) bool {
 		a, b := pods[i], pods[j]
 		if !a.CreationTimestamp.Equal(&b.CreationTimestamp) {
@@ -345,18 +375,24 @@ func (s *Source) model() (registry.Model, []PodStatus, error) {
 		}
 		return a.Namespace+"/"+a.Name < b.Namespace+"/"+b.Name
 	})
+	cands := make([]claimant, 0, len(pods))
+	for _, p := range pods {
+		c := claimant{p: p, key: p.Namespace + "/" + p.Name, local: p.Spec.NodeName == s.cfg.Node && !p.Spec.HostNetwork}
+		var announced []netip.Addr
+		if s.cfg.Announced != nil && c.local {
+			announced = s.cfg.Announced(p.Namespace, p.Name, string(p.UID))
+		}
+		c.w, c.reason = s.workload(p, enrolled, pa, announced)
+		cands = append(cands, c)
+	}
+	denied, claims := s.resolveClaims(cands)
 	var local []PodStatus
 	owner := map[netip.Addr]string{}
 	byPod := map[registry.WorkloadRef]*registry.Workload{}
-	for _, p := range pods {
-		key := p.Namespace + "/" + p.Name
-		var announced []netip.Addr
-		if s.cfg.Announced != nil && p.Spec.NodeName == s.cfg.Node && !p.Spec.HostNetwork {
-			announced = s.cfg.Announced(p.Namespace, p.Name, string(p.UID))
-		}
-		w, reason := s.workload(p, enrolled, owner, pa, announced)
-		if p.Spec.NodeName == s.cfg.Node && !p.Spec.HostNetwork {
-			ps := PodStatus{Pod: key, Mesh: w != nil && w.InMesh, Reason: reason}
+	for _, c := range cands {
+		p, w := c.p, c.w
+		if c.local {
+			ps := PodStatus{Pod: c.key, Mesh: w != nil && w.InMesh && w.Refused == "", Reason: c.reason}
 			if w != nil && !w.InMesh {
 				ps.Reason = notInMeshReason(p, enrolled[p.Namespace])
 			}
@@ -366,14 +402,20 @@ func (s *Source) model() (registry.Model, []PodStatus, error) {
 			continue
 		}
 		for _, a := range w.Addresses {
-			owner[a] = key
+			owner[a] = c.key
 		}
-		byPod[registry.WorkloadRef{Namespace: w.Namespace, Name: w.Name}] = w
+		m.Workloads = append(m.Workloads, w)
+		if w.Refused == "" {
+			byPod[registry.WorkloadRef{Namespace: w.Namespace, Name: w.Name}] = w
+		}
+	}
+	for _, w := range denied {
+		owner[w.Addresses[0]] = w.Name
 		m.Workloads = append(m.Workloads, w)
 	}
 	svcs, err := s.svcs.List(labels.Everything())
 	if err != nil {
-		return m, nil, err
+		return m, nil, nil, err
 	}
 	sort.Slice(svcs, func(i, j int) bool {
 		return svcs[i].Namespace+"/"+svcs[i].Name < svcs[j].Namespace+"/"+svcs[j].Name
@@ -389,7 +431,7 @@ func (s *Source) model() (registry.Model, []PodStatus, error) {
 		}
 		m.Services = append(m.Services, rs)
 	}
-	return m, local, nil
+	return m, local, claims, nil
 }
 
 // Enrolled reports whether pod p is enrolled in the ambient mesh by its
@@ -423,7 +465,7 @@ func notInMeshReason(p *corev1.Pod, nsEnrolled bool) string {
 // are the addresses the CNI startup gate announced for it: with them a
 // pending pod is a workload too (its init containers run captured), with
 // them as its addresses while its status has none.
-func (s *Source) workload(p *corev1.Pod, enrolled map[string]bool, owner map[netip.Addr]string, pa *peerAuthIndex, announced []netip.Addr) (*registry.Workload, string) {
+func (s *Source) workload(p *corev1.Pod, enrolled map[string]bool, pa *peerAuthIndex, announced []netip.Addr) (*registry.Workload, string) {
 	if p.Spec.HostNetwork {
 		return nil, "hostNetwork"
 	}
@@ -459,8 +501,8 @@ func (s *Source) workload(p *corev1.Pod, enrolled map[string]bool, owner map[net
 			continue
 		}
 		a = a.Unmap()
-		if other, taken := owner[a]; taken {
-			return nil, "address " + a.String() + " still belongs to pod " + other
+		if slices.Contains(w.Addresses, a) {
+			continue
 		}
 		w.Addresses = append(w.Addresses, a)
 	}
@@ -474,6 +516,12 @@ func (s *Source) workload(p *corev1.Pod, enrolled map[string]bool, owner map[net
 	}
 	w.ProbePorts = probePorts(p)
 	pa.apply(w)
+	if n, dropped := p.Annotations[labelsDroppedAnnotation]; dropped {
+		// Its policies cannot be known: captured (if local) and denied.
+		w.Labels = nil
+		w.Refused = RefusedLabelsTooLarge
+		return w, "labels of " + n + " bytes, over " + strconv.Itoa(MaxPodLabelBytes) + ": refused"
+	}
 	return w, ""
 }
 

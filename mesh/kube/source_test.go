@@ -205,3 +205,67 @@ func TestOneBadPodDoesNotBlockTheModel(t *testing.T) {
 		t.Error("the pod without a valid identity is in the model")
 	}
 }
+
+// TestRemoteClaims (issue 22 item 8a): a kubelet of another node that
+// writes a local pod's address into an older pod's status takes nothing
+// from it; pods of two other nodes claiming one address get it denied,
+// neither identity trusted; with an address this node cannot verify, its
+// own pod stays captured but refused.
+func TestRemoteClaims(t *testing.T) {
+	old := metav1.NewTime(time.Now().Add(-time.Hour))
+	victim := pod("mesh", "victim", "n1", "198.18.1.11")
+	victim.CreationTimestamp = metav1.Now()
+	forger := pod("evil", "forger", "n2", "198.18.2.50", "198.18.1.11")
+	forger.CreationTimestamp = old
+	other := pod("mesh", "other", "n3", "198.18.3.11")
+	other.CreationTimestamp = metav1.Now()
+	forger2 := pod("evil", "forger2", "n2", "198.18.3.11")
+	forger2.CreationTimestamp = old
+	objs := []runtime.Object{ns("mesh", true), ns("evil", true), victim, forger, other, forger2}
+	addr := netip.MustParseAddr
+
+	for _, verified := range []bool{true, false} {
+		cs := fake.NewClientset(objs...)
+		cfg := Config{Client: fakeAPI{cs}, Node: "n1", TrustDomain: spiffeid.RequireTrustDomainFromString("cluster.local"), Logger: zerolog.Nop()}
+		var asked []netip.Addr
+		cfg.LocalAddress = func(a netip.Addr) bool { asked = append(asked, a); return verified }
+		s := New(cfg)
+		ctx, cancel := context.WithCancel(context.Background())
+		snap, err := s.Start(ctx)
+		cancel()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !slices.Equal(asked, []netip.Addr{addr("198.18.1.11")}) {
+			t.Errorf("LocalAddress asked for %v, want only the local pod's contested 198.18.1.11", asked)
+		}
+		w := snap.Workload(addr("198.18.1.11"))
+		switch {
+		case w == nil || w.Name != "victim" || w.Node != "n1" || !w.InMesh:
+			t.Fatalf("verified=%v: 198.18.1.11 is %+v, want the local pod victim", verified, w)
+		case verified && w.Refused != "":
+			t.Errorf("the local pod with its verified address is refused: %q", w.Refused)
+		case !verified && w.Refused != RefusedAddressConflict:
+			t.Errorf("the local pod with an address claimed elsewhere and not verified: refused %q, want %q (captured, denied)", w.Refused, RefusedAddressConflict)
+		}
+		if w := snap.Workload(addr("198.18.2.50")); w != nil {
+			t.Errorf("verified=%v: the forger's own address is workload %v: a forger gains no identity", verified, w)
+		}
+		d := snap.Workload(addr("198.18.3.11"))
+		if d == nil || d.Refused != RefusedAddressConflict || d.Node != "" || !d.InMesh {
+			t.Fatalf("verified=%v: 198.18.3.11 (claimed by pods of n2 and n3) is %+v, want a denied address", verified, d)
+		}
+		for _, id := range []string{"spiffe://cluster.local/ns/mesh/sa/other-sa", "spiffe://cluster.local/ns/evil/sa/forger2-sa"} {
+			if d.Identity.String() == id {
+				t.Errorf("the denied address has claimant identity %s", id)
+			}
+		}
+		if !d.Protected(80) {
+			t.Error("the denied address's port 80 is not protected")
+		}
+		st := s.Status()
+		if len(st.LocalPods) != 1 || st.LocalPods[0].Mesh != verified {
+			t.Errorf("verified=%v: local pods %+v", verified, st.LocalPods)
+		}
+	}
+}

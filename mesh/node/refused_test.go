@@ -22,6 +22,7 @@ func TestRefusedWorkloadCaptured(t *testing.T) {
 		{Name: "w", Namespace: "default", Node: "n1", InMesh: true, Refused: "waypoint", Addresses: []netip.Addr{a("198.18.1.12")}},
 		{Name: "w2", Namespace: "default", Node: "n1", InMesh: true, Refused: "waypoint", Addresses: []netip.Addr{a("198.18.1.13")}},
 		{Name: "n", Namespace: "default", Node: "n1", InMesh: true, Refused: "network", Addresses: []netip.Addr{a("198.18.1.14")}},
+		{Name: "denied-address:198.18.2.13", Namespace: "istio-system", InMesh: true, Refused: "address_conflict", Addresses: []netip.Addr{a("198.18.2.13")}},
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -53,7 +54,7 @@ func TestRefusedWorkloadCaptured(t *testing.T) {
 	}
 	got := map[string]float64{}
 	for _, mf := range mfs {
-		if mf.GetName() != RefusedWorkloadsMetric {
+		if mf.GetName() != RefusedWorkloadsMetric && mf.GetName() != DeniedAddressesMetric {
 			continue
 		}
 		for _, m := range mf.GetMetric() {
@@ -62,7 +63,7 @@ func TestRefusedWorkloadCaptured(t *testing.T) {
 			}
 		}
 	}
-	if got["reason=waypoint"] != 2 || got["reason=network"] != 1 || len(got) != 2 {
-		t.Errorf("%s = %v, want waypoint 2, network 1", RefusedWorkloadsMetric, got)
+	if got["reason=waypoint"] != 2 || got["reason=network"] != 1 || got["reason=address_conflict"] != 1 || len(got) != 3 {
+		t.Errorf("%s and %s = %v, want waypoint 2, network 1 (local workloads), address_conflict 1 (another node's address)", RefusedWorkloadsMetric, DeniedAddressesMetric, got)
 	}
 }

@@ -199,6 +199,12 @@ func (p *Proxy) outboundFrom(snap *registry.Snapshot, req *stack.TCPRequest, src
 		return
 	}
 	switch {
+	case dst != nil && dst.Refused != "":
+		// A destination meshtun refuses (on any node: a remote one too,
+		// e.g. an address claimed by pods of two nodes): neither
+		// plaintext nor a tunnel to an identity the model cannot vouch for.
+		req.Reject()
+		p.newRecord(req.Src, req.Dst, src, dst, "outbound", "refused").via(target, svc).refused(&refusedWorkloadError{dst})
 	case dst != nil && dst.InMesh && p.cfg.HBONE != nil && (p.uncertified(src) || dst.Node == p.cfg.Node && p.uncertified(dst)):
 		// Never plaintext, never without the identity's certificate.
 		req.Reject()

@@ -20,9 +20,15 @@ import (
 // with response_flags DENY.
 func TestRefusedWorkloadDenied(t *testing.T) {
 	refused := netip.MustParseAddr("198.18.1.13")
+	remoteRefused := netip.MustParseAddr("198.18.2.13")
 	e := newStackEnv(t, &registry.Workload{
 		Name: "refused", Namespace: "default", Node: "n1", InMesh: true, Refused: "waypoint",
 		Addresses: []netip.Addr{refused},
+	}, &registry.Workload{
+		// Of another node: an address claimed by pods of two nodes
+		// (kube.RefusedAddressConflict) stands as one.
+		Name: "denied-address:198.18.2.13", Namespace: "istio-system", ServiceAccount: "Denied-Address",
+		InMesh: true, Refused: "address_conflict", Addresses: []netip.Addr{remoteRefused},
 	})
 	outsider := netip.MustParseAddr("198.18.9.9") // no workload: plaintext from outside the mesh
 	for _, c := range []struct {
@@ -32,6 +38,7 @@ func TestRefusedWorkloadDenied(t *testing.T) {
 		{"outbound from the refused workload", netip.AddrPortFrom(refused, 41000), netip.AddrPortFrom(server12, 8080)},
 		{"from a local mesh workload to it", netip.AddrPortFrom(client11, 41001), netip.AddrPortFrom(refused, 8080)},
 		{"plaintext from outside the mesh to it", netip.AddrPortFrom(outsider, 41002), netip.AddrPortFrom(refused, 8080)},
+		{"from a local mesh workload to a refused one of no node", netip.AddrPortFrom(client11, 41004), netip.AddrPortFrom(remoteRefused, 8080)},
 	} {
 		e.send(t, syn(c.from, c.to))
 		s, ok := e.dev.next(t, func(s segment) bool {

@@ -304,6 +304,9 @@ func loadScale(b testing.TB, cp *ControlPlane) {
 	ctx := context.Background()
 	cfg := *cp.AdminConfig
 	cfg.QPS = -1 // no client-side rate limit
+	// A busy machine (CI, parallel runs) can take the API server longer
+	// than the admin client's 30 s to answer one create.
+	cfg.Timeout = 3 * time.Minute
 	cs, err := kubernetes.NewForConfig(&cfg)
 	if err != nil {
 		b.Fatal(err)
