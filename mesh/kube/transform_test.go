@@ -30,7 +30,7 @@ func fatPod() *corev1.Pod {
 	p := pod("mesh", "fat", "n1", "198.18.1.11", "fd00:6d74:1::11")
 	p.UID = "u-1"
 	p.Annotations = map[string]string{"tenant/blob": strings.Repeat("x", 200<<10), RedirectionAnnotation: RedirectionEnabled}
-	p.ManagedFields = []metav1.ManagedFieldsEntry{{Manager: "kubectl", FieldsV1: &metav1.FieldsV1{Raw: []byte(`{"f:spec":{}}`)}}}
+	p.ManagedFields = []metav1.ManagedFieldsEntry{{Manager: "kubectl", FieldsV1: metav1.NewFieldsV1(`{"f:spec":{}}`)}}
 	p.OwnerReferences = []metav1.OwnerReference{{Kind: "ReplicaSet", Name: "fat-1"}}
 	var env []corev1.EnvVar
 	for i := range 100 {
@@ -134,7 +134,7 @@ func TestTransformLabelsBounded(t *testing.T) {
 // managedFields, keeping what the model reads.
 func TestTransformOthers(t *testing.T) {
 	blob := map[string]string{"tenant/blob": strings.Repeat("x", 10<<10)}
-	mf := []metav1.ManagedFieldsEntry{{Manager: "kubectl", FieldsV1: &metav1.FieldsV1{Raw: []byte(strings.Repeat(" ", 1000))}}}
+	mf := []metav1.ManagedFieldsEntry{{Manager: "kubectl", FieldsV1: metav1.NewFieldsV1(strings.Repeat(" ", 1000))}}
 	svc := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "web", Annotations: blob, Labels: blob, ManagedFields: mf},
 		Spec: corev1.ServiceSpec{ClusterIPs: []string{"198.19.0.10"}, Selector: blob,
 			Ports: []corev1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromString("http")}}}}
@@ -203,9 +203,9 @@ func BenchmarkPodCache(b *testing.B) {
 		p.Spec.RestartPolicy, p.Spec.DNSPolicy, p.Spec.SchedulerName = "Always", "ClusterFirst", "default-scheduler"
 		p.ManagedFields = []metav1.ManagedFieldsEntry{
 			{Manager: "kube.test", Operation: "Update", APIVersion: "v1", FieldsType: "FieldsV1",
-				FieldsV1: &metav1.FieldsV1{Raw: []byte(`{"f:metadata":{"f:labels":{".":{},"f:app":{}}},"f:spec":{"f:automountServiceAccountToken":{},"f:containers":{"k:{\"name\":\"app\"}":{".":{},"f:image":{},"f:imagePullPolicy":{},"f:name":{},"f:ports":{".":{},"k:{\"containerPort\":8080,\"protocol\":\"TCP\"}":{".":{},"f:containerPort":{},"f:name":{},"f:protocol":{}}},"f:resources":{},"f:terminationMessagePath":{},"f:terminationMessagePolicy":{}}},"f:dnsPolicy":{},"f:enableServiceLinks":{},"f:nodeName":{},"f:restartPolicy":{},"f:schedulerName":{},"f:securityContext":{},"f:serviceAccount":{},"f:serviceAccountName":{},"f:terminationGracePeriodSeconds":{}}}`)}},
+				FieldsV1: metav1.NewFieldsV1(`{"f:metadata":{"f:labels":{".":{},"f:app":{}}},"f:spec":{"f:automountServiceAccountToken":{},"f:containers":{"k:{\"name\":\"app\"}":{".":{},"f:image":{},"f:imagePullPolicy":{},"f:name":{},"f:ports":{".":{},"k:{\"containerPort\":8080,\"protocol\":\"TCP\"}":{".":{},"f:containerPort":{},"f:name":{},"f:protocol":{}}},"f:resources":{},"f:terminationMessagePath":{},"f:terminationMessagePolicy":{}}},"f:dnsPolicy":{},"f:enableServiceLinks":{},"f:nodeName":{},"f:restartPolicy":{},"f:schedulerName":{},"f:securityContext":{},"f:serviceAccount":{},"f:serviceAccountName":{},"f:terminationGracePeriodSeconds":{}}}`)},
 			{Manager: "kube.test", Operation: "Update", APIVersion: "v1", FieldsType: "FieldsV1", Subresource: "status",
-				FieldsV1: &metav1.FieldsV1{Raw: []byte(`{"f:status":{"f:conditions":{"k:{\"type\":\"Ready\"}":{".":{},"f:lastProbeTime":{},"f:lastTransitionTime":{},"f:status":{},"f:type":{}}},"f:hostIP":{},"f:phase":{},"f:podIP":{},"f:podIPs":{".":{},"k:{\"ip\":\"198.18.200.1\"}":{".":{},"f:ip":{}},"k:{\"ip\":\"fd00:6d74:200::1\"}":{".":{},"f:ip":{}}},"f:startTime":{}}}`)}},
+				FieldsV1: metav1.NewFieldsV1(`{"f:status":{"f:conditions":{"k:{\"type\":\"Ready\"}":{".":{},"f:lastProbeTime":{},"f:lastTransitionTime":{},"f:status":{},"f:type":{}}},"f:hostIP":{},"f:phase":{},"f:podIP":{},"f:podIPs":{".":{},"k:{\"ip\":\"198.18.200.1\"}":{".":{},"f:ip":{}},"k:{\"ip\":\"fd00:6d74:200::1\"}":{".":{},"f:ip":{}}},"f:startTime":{}}}`)},
 		}
 		return p
 	}
