@@ -19,7 +19,7 @@ func newAckDelayStack(t *testing.T, dev Device, delay time.Duration) (*Stack, <-
 	t.Helper()
 	conns := make(chan *Conn, 1)
 	cls := classify.New(classify.Config{Policy: classify.PolicyFunc(func(_, dst netip.AddrPort) bool { return dst.Port() == 80 })})
-	st, err := New(Config{
+	st, err := newStarted(startedConfig{
 		Device: dev, Classifier: cls, Logger: zerolog.Nop(), AckDelay: delay,
 		HandleTCP: func(req *TCPRequest) {
 			c, err := req.Accept()

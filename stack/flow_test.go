@@ -29,7 +29,7 @@ func TestFlowEndsWithTheEndpoint(t *testing.T) {
 				IdleTimeout:  time.Minute,
 				CloseTimeout: time.Second,
 			})
-			st, err := New(Config{Device: dev, Classifier: cls, Logger: zerolog.Nop(), HandleTCP: func(req *TCPRequest) {
+			st, err := newStarted(startedConfig{Device: dev, Classifier: cls, Logger: zerolog.Nop(), HandleTCP: func(req *TCPRequest) {
 				c, err := req.Accept()
 				if err != nil {
 					t.Error(err)
@@ -101,7 +101,7 @@ func TestListenSynCookies(t *testing.T) {
 				Policy:               classify.PolicyFunc(func(_, _ netip.AddrPort) bool { return true }),
 				MaxHalfOpenPerSource: 1 << 20,
 			})
-			st, err := New(Config{Device: dev, Classifier: cls, Logger: zerolog.Nop(), HandleTCP: func(req *TCPRequest) {
+			st, err := newStarted(startedConfig{Device: dev, Classifier: cls, Logger: zerolog.Nop(), HandleTCP: func(req *TCPRequest) {
 				t.Errorf("forwarder got %v → %v, want the listener", req.Src, req.Dst)
 				req.Reject()
 			}})

@@ -99,7 +99,7 @@ func kernelTCP(t *testing.T, offload, v6 bool) {
 	const size = 16 << 20
 	pattern := func(i int) byte { return byte(i*31 + i>>9) }
 	cls := classify.New(classify.Config{Policy: classify.PolicyFunc(func(_, dst netip.AddrPort) bool { return dst.Port() == 80 })})
-	st, err := New(Config{
+	st, err := newStarted(startedConfig{
 		Device: dev, Classifier: cls, Logger: zerolog.Nop(),
 		HandleTCP: func(req *TCPRequest) {
 			c, err := req.Accept()
@@ -263,7 +263,7 @@ func TestKernelVerbatimGSO(t *testing.T) {
 		}
 	}
 	cls := classify.New(classify.Config{}) // intercept nothing
-	st, err := New(Config{Device: dev, Classifier: cls, Logger: zerolog.Nop(), HandleTCP: func(req *TCPRequest) { req.Reject() }})
+	st, err := newStarted(startedConfig{Device: dev, Classifier: cls, Logger: zerolog.Nop(), HandleTCP: func(req *TCPRequest) { req.Reject() }})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -175,7 +175,7 @@ func newTestStack(t *testing.T, dev Device) (*Stack, <-chan *Conn) {
 	t.Helper()
 	conns := make(chan *Conn, 1)
 	cls := classify.New(classify.Config{Policy: classify.PolicyFunc(func(_, dst netip.AddrPort) bool { return dst.Port() == 80 })})
-	st, err := New(Config{
+	st, err := newStarted(startedConfig{
 		Device: dev, Classifier: cls, Logger: zerolog.Nop(),
 		HandleTCP: func(req *TCPRequest) {
 			c, err := req.Accept()

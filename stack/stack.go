@@ -52,8 +52,6 @@ type TCPHandler func(req *TCPRequest)
 type Config struct {
 	Device     Device
 	Classifier *classify.Classifier
-	// HandleTCP receives intercepted TCP connections. Required.
-	HandleTCP TCPHandler
 	// AckDelay, if positive, holds the netstack's pure ACKs on flows
 	// whose both ends are the netstack's back for up to this long, so
 	// that a reply within that time carries the acknowledgment instead
@@ -79,6 +77,8 @@ type Stack struct {
 	log     zerolog.Logger
 	stats   linkStats
 	pending pendingSources
+
+	handleTCP TCPHandler // set by Start
 }
 
 // pendingSources counts the pending connection requests per source
@@ -126,10 +126,12 @@ func (p *pendingSources) done(src netip.Addr) {
 	p.total--
 }
 
-// New builds the netstack on cfg.Device and starts reading packets.
+// New builds the netstack on cfg.Device; Start starts it. Built before the
+// proxy that dials through it, started with the proxy's handler: each
+// part is constructed in order, none is patched in afterwards.
 func New(cfg Config) (*Stack, error) {
-	if cfg.Device == nil || cfg.Classifier == nil || cfg.HandleTCP == nil {
-		return nil, errors.New("stack: Device, Classifier and HandleTCP are required")
+	if cfg.Device == nil || cfg.Classifier == nil {
+		return nil, errors.New("stack: Device and Classifier are required")
 	}
 	st := &Stack{log: cfg.Logger, cls: cfg.Classifier}
 	st.s = stack.New(stack.Options{
@@ -171,11 +173,24 @@ func New(cfg Config) (*Stack, error) {
 		// From here the netstack holds the flow, until the request
 		// is refused or the connection it becomes is closed.
 		st.cls.Own(req.Dst, req.Src)
-		cfg.HandleTCP(req)
+		st.handleTCP(req)
 	})
 	st.s.SetTransportProtocolHandler(tcp.ProtocolNumber, fwd.HandlePacket)
-	st.link.start()
 	return st, nil
+}
+
+// Start starts reading packets from the device; h receives the
+// intercepted TCP connections. Call it once.
+func (st *Stack) Start(h TCPHandler) error {
+	if h == nil {
+		return errors.New("stack: Start needs a TCP handler")
+	}
+	if st.handleTCP != nil {
+		return errors.New("stack: started twice")
+	}
+	st.handleTCP = h
+	st.link.start()
+	return nil
 }
 
 func (st *Stack) tune() error {

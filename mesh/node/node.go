@@ -315,45 +315,44 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	n.cls = classify.New(classify.Config{Policy: interceptPolicy(n.reg, cfg, nodeAddrs.Contains, log), Exempt: n.exempt})
 	go n.cls.Run(runCtx, 5*time.Second)
 
-	n.px, err = proxy.New(runCtx, proxy.Config{
-		Node: cfg.Name, Registry: n.reg, HBONE: n.hc, Metrics: n.metrics, FromNode: nodeAddrs.Contains,
-		Certified: n.hasCertificate, Exempt: n.exempt,
-		Logger: log, AccessLog: log.With().Str("log", "access").Logger(),
-	})
-	if err != nil {
-		return err
-	}
-	n.hs, err = hbone.NewServer(hbone.ServerConfig{
-		TLS: identity.ServerTLS(n.svids, td, func(local netip.Addr) (spiffeid.ID, bool) {
-			w := n.reg.Load().Workload(local)
-			if w == nil || !w.InMesh || w.Node != cfg.Name || w.Refused != "" || !n.hasCertificate(w.Identity) {
-				return spiffeid.ID{}, false
-			}
-			return w.Identity, true
-		}),
-		Handler:                n.px.InboundHandler(),
-		OnRefusedConn:          n.px.TLSFailure,
-		HandshakeTimeout:       cfg.HBONEHandshakeTimeout,
-		MaxHandshakes:          cfg.HBONEMaxHandshakes,
-		MaxHandshakesPerSource: cfg.HBONEMaxHandshakesPerSource,
-		MaxConnsPerPeer:        cfg.HBONEMaxConnsPerPeer,
-		Logger:                 log,
-	})
-	if err != nil {
-		return err
-	}
-	n.px.SetServer(n.hs)
+	// In order: the netstack (built, not yet reading the TUN), the proxy
+	// that dials through it and builds the HBONE server, then the
+	// netstack started with the proxy as its TCP handler.
 	n.st, err = stack.New(stack.Config{
 		Device:     dev,
 		Classifier: n.cls,
-		HandleTCP:  n.px.HandleTCP,
 		AckDelay:   cfg.AckDelay,
 		Logger:     log,
 	})
 	if err != nil {
 		return err
 	}
-	n.px.SetDialer(n.st)
+	n.px, err = proxy.New(runCtx, proxy.Config{
+		Node: cfg.Name, Registry: n.reg, HBONE: n.hc, Metrics: n.metrics, FromNode: nodeAddrs.Contains,
+		Certified: n.hasCertificate, Exempt: n.exempt, Netstack: n.st,
+		Inbound: hbone.ServerConfig{
+			TLS: identity.ServerTLS(n.svids, td, func(local netip.Addr) (spiffeid.ID, bool) {
+				w := n.reg.Load().Workload(local)
+				if w == nil || !w.InMesh || w.Node != cfg.Name || w.Refused != "" || !n.hasCertificate(w.Identity) {
+					return spiffeid.ID{}, false
+				}
+				return w.Identity, true
+			}),
+			HandshakeTimeout:       cfg.HBONEHandshakeTimeout,
+			MaxHandshakes:          cfg.HBONEMaxHandshakes,
+			MaxHandshakesPerSource: cfg.HBONEMaxHandshakesPerSource,
+			MaxConnsPerPeer:        cfg.HBONEMaxConnsPerPeer,
+			Logger:                 log,
+		},
+		Logger: log, AccessLog: log.With().Str("log", "access").Logger(),
+	})
+	if err != nil {
+		return err
+	}
+	n.hs = n.px.Server()
+	if err := n.st.Start(n.px.HandleTCP); err != nil {
+		return err
+	}
 	n.hl = &hboneListeners{st: n.st, serve: n.px.ServeNetstackHBONE, log: log, open: map[netip.Addr]*stack.Listener{}}
 	n.hl.sync(locals)
 	if err := n.metrics.Register(metrics.DataPlane(n.dataPlaneStats)); err != nil {

@@ -111,32 +111,30 @@ func newStackEnv(t *testing.T, more ...*registry.Workload) *stackEnv {
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
 	e := &stackEnv{dev: newMemDev(), access: &syncBuffer{}}
-	e.p, err = New(ctx, Config{
-		Node: "n1", Registry: registry.New(snap), HBONE: hc, Metrics: metrics.New(),
-		Logger: zerolog.New(zerolog.NewTestWriter(t)), AccessLog: zerolog.New(e.access),
-		ConnectTimeout: 2 * time.Second,
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	// An HBONE server, so that SYNs to port 15008 of a local workload
-	// are inbound HBONE; no test here gets as far as its TLS.
-	srv, err := hbone.NewServer(hbone.ServerConfig{
-		TLS:     &tls.Config{ClientAuth: tls.RequireAnyClientCert},
-		Handler: e.p.InboundHandler(),
-		Logger:  zerolog.New(zerolog.NewTestWriter(t)),
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	e.p.SetServer(srv)
 	cls := classify.New(classify.Config{Policy: classify.PolicyFunc(func(_, _ netip.AddrPort) bool { return true })})
-	st, err := stack.New(stack.Config{Device: e.dev, Classifier: cls, HandleTCP: e.p.HandleTCP, Logger: zerolog.New(zerolog.NewTestWriter(t))})
+	st, err := stack.New(stack.Config{Device: e.dev, Classifier: cls, Logger: zerolog.New(zerolog.NewTestWriter(t))})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { e.dev.Close(); st.Close() })
-	e.p.SetDialer(st)
+	e.p, err = New(ctx, Config{
+		Node: "n1", Registry: registry.New(snap), HBONE: hc, Metrics: metrics.New(),
+		Logger: zerolog.New(zerolog.NewTestWriter(t)), AccessLog: zerolog.New(e.access),
+		ConnectTimeout: 2 * time.Second, Netstack: st,
+		// An HBONE server, so that SYNs to port 15008 of a local
+		// workload are inbound HBONE; no test here gets as far as its
+		// TLS.
+		Inbound: hbone.ServerConfig{
+			TLS:    &tls.Config{ClientAuth: tls.RequireAnyClientCert},
+			Logger: zerolog.New(zerolog.NewTestWriter(t)),
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := st.Start(e.p.HandleTCP); err != nil {
+		t.Fatal(err)
+	}
 	return e
 }
 

@@ -43,7 +43,7 @@ func (p *Proxy) ServeNetstackHBONE(c *stack.Conn) { p.serveHBONE(c, false) }
 // socket, on a goroutine of its own once within the server's bounds). It
 // resets c if no server is set.
 func (p *Proxy) serveHBONE(c net.Conn, kernel bool) {
-	srv := p.server.Load()
+	srv := p.server
 	switch {
 	case srv == nil:
 		relay.Abort(c)

@@ -82,20 +82,6 @@ func newInboundEnv(t *testing.T) *inboundEnv {
 		server:  snap.WorkloadByName("b", "server").Identity,
 		other:   snap.WorkloadByName("c", "other").Identity,
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	t.Cleanup(cancel)
-	e.p, err = New(ctx, Config{
-		Node:      "n1",
-		Registry:  registry.New(snap),
-		Metrics:   e.metrics,
-		Logger:    zerolog.New(zerolog.NewTestWriter(t)),
-		AccessLog: zerolog.New(e.access),
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	e.p.SetDialer(e.dialer)
-
 	ca, err := identity.OpenCA(identity.CAConfig{Dir: t.TempDir(), TrustDomain: testTD, SVIDTTL: time.Hour})
 	if err != nil {
 		t.Fatal(err)
@@ -110,21 +96,30 @@ func newInboundEnv(t *testing.T) *inboundEnv {
 			t.Fatal(err)
 		}
 	}
-	srv, err := hbone.NewServer(hbone.ServerConfig{
-		TLS: identity.ServerTLS(src, testTD, func(a netip.Addr) (spiffeid.ID, bool) {
-			if w := e.p.cfg.Registry.Load().Workload(a); w != nil {
-				return w.Identity, true
-			}
-			return spiffeid.ID{}, false
-		}),
-		Handler:       e.p.InboundHandler(),
-		OnRefusedConn: e.p.TLSFailure,
-		Logger:        zerolog.New(zerolog.NewTestWriter(t)),
+	reg := registry.New(snap)
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	e.p, err = New(ctx, Config{
+		Node:      "n1",
+		Registry:  reg,
+		Metrics:   e.metrics,
+		Logger:    zerolog.New(zerolog.NewTestWriter(t)),
+		AccessLog: zerolog.New(e.access),
+		Netstack:  e.dialer,
+		Inbound: hbone.ServerConfig{
+			TLS: identity.ServerTLS(src, testTD, func(a netip.Addr) (spiffeid.ID, bool) {
+				if w := reg.Load().Workload(a); w != nil {
+					return w.Identity, true
+				}
+				return spiffeid.ID{}, false
+			}),
+			Logger: zerolog.New(zerolog.NewTestWriter(t)),
+		},
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
-	e.p.SetServer(srv)
+	srv := e.p.Server()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)

@@ -32,7 +32,7 @@ func (p *Proxy) serveKernelConn(c net.Conn) {
 	remote = netip.AddrPortFrom(remote.Addr().Unmap(), remote.Port())
 	snap := p.cfg.Registry.Load()
 	dst := snap.Workload(local.Addr())
-	srv := p.server.Load()
+	srv := p.server
 	if !p.local(dst) || local.Port() != hbone.Port || srv == nil {
 		relay.Abort(c) // a reset: nothing listens here for this client
 		if srv != nil {

@@ -76,11 +76,10 @@ func inboundProxy(t *testing.T, d Dialer, timeout time.Duration) (*Proxy, *locke
 	}
 	log := &lockedBuffer{}
 	p, err := New(context.Background(), Config{Node: "n1", Registry: registry.New(snap), ConnectTimeout: timeout,
-		Metrics: metrics.New(), Logger: zerolog.New(log), AccessLog: zerolog.New(log)})
+		Metrics: metrics.New(), Logger: zerolog.New(log), AccessLog: zerolog.New(log), Netstack: d})
 	if err != nil {
 		t.Fatal(err)
 	}
-	p.SetDialer(d)
 	return p, log
 }
 

@@ -86,6 +86,15 @@ type Config struct {
 	// into the TUN like any node traffic, and the classifier lets exactly
 	// these through verbatim instead of capturing them again.
 	Exempt *classify.Exempt
+	// Netstack is the netstack the proxy originates connections through
+	// (built before the proxy and started with its HandleTCP after New).
+	// Nil: connections that need it are refused.
+	Netstack Dialer
+	// Inbound is the configuration of the HBONE server that terminates
+	// inbound tunnels: New builds it with the proxy as its Handler and
+	// OnRefusedConn (Server returns it). Without a TLS configuration there
+	// is none, and SYNs to port 15008 are not inbound HBONE.
+	Inbound hbone.ServerConfig
 	// LookupHost resolves the DNS name of a service endpoint that has no
 	// address (an Istio ServiceEntry with resolution DNS), on demand, as
 	// ztunnel does. Nil: the system's resolver, its sockets under
@@ -100,8 +109,8 @@ type Proxy struct {
 	access   zerolog.Logger
 	dialer   net.Dialer
 	ctx      context.Context
-	netstk   atomic.Pointer[Dialer]
-	server   atomic.Pointer[hbone.Server]
+	netstk   Dialer        // cfg.Netstack
+	server   *hbone.Server // built from cfg.Inbound
 	draining atomic.Bool
 	quiet    atomic.Bool       // access log off
 	open     tracker           // relayed connections, for Drain and Reauthorize
@@ -118,23 +127,29 @@ func New(ctx context.Context, cfg Config) (*Proxy, error) {
 	if cfg.ConnectTimeout == 0 {
 		cfg.ConnectTimeout = DefaultConnectTimeout
 	}
-	return &Proxy{
+	p := &Proxy{
 		cfg:      cfg,
 		log:      cfg.Logger,
 		access:   cfg.AccessLog,
 		dialer:   net.Dialer{Timeout: cfg.ConnectTimeout, Control: cfg.SocketControl},
 		ctx:      ctx,
+		netstk:   cfg.Netstack,
 		earlyLog: hbone.NewLogLimiter(hbone.DefaultLogRate),
-	}, nil
+	}
+	if cfg.Inbound.TLS != nil {
+		sc := cfg.Inbound
+		sc.Handler, sc.OnRefusedConn = p.InboundHandler(), p.TLSFailure
+		srv, err := hbone.NewServer(sc)
+		if err != nil {
+			return nil, fmt.Errorf("proxy: %w", err)
+		}
+		p.server = srv
+	}
+	return p, nil
 }
 
-// SetDialer gives the proxy the netstack it originates connections through
-// (the stack is built after the proxy, since it needs HandleTCP).
-func (p *Proxy) SetDialer(d Dialer) { p.netstk.Store(&d) }
-
-// SetServer gives the proxy the HBONE server that terminates inbound
-// tunnels; its Handler must be InboundHandler (hence set after New).
-func (p *Proxy) SetServer(s *hbone.Server) { p.server.Store(s) }
+// Server is the HBONE server built from Config.Inbound; nil without one.
+func (p *Proxy) Server() *hbone.Server { return p.server }
 
 // SetAccessLog turns the access log on or off.
 func (p *Proxy) SetAccessLog(on bool) { p.quiet.Store(!on) }
@@ -142,12 +157,7 @@ func (p *Proxy) SetAccessLog(on bool) { p.quiet.Store(!on) }
 // AccessLog reports whether the access log is on.
 func (p *Proxy) AccessLog() bool { return !p.quiet.Load() }
 
-func (p *Proxy) netstack() Dialer {
-	if d := p.netstk.Load(); d != nil {
-		return *d
-	}
-	return nil
-}
+func (p *Proxy) netstack() Dialer { return p.netstk }
 
 // HandleTCP is the stack.TCPHandler of the proxy: it classifies the
 // connection by the registry and hands it to the path that carries it.
@@ -161,7 +171,7 @@ func (p *Proxy) HandleTCP(req *stack.TCPRequest) {
 		return
 	}
 	switch {
-	case flow == InboundHBONE && p.server.Load() != nil:
+	case flow == InboundHBONE && p.server != nil:
 		p.inbound(req, dst)
 	case p.local(src):
 		p.outboundFrom(snap, req, src, dst)

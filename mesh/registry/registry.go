@@ -124,7 +124,7 @@ type Workload struct {
 	// labels), and its cluster. Telemetry and /config_dump report them.
 	UID, WorkloadName, WorkloadType           string
 	CanonicalName, CanonicalRevision, Cluster string
-	authz policy.Set // the policies that apply to the workload; set by Build
+	authz                                     policy.Set // the policies that apply to the workload; set by Build
 }
 
 // String returns namespace/name.
