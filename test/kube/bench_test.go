@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
-	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -14,7 +13,6 @@ import (
 	"testing"
 	"time"
 
-	authv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -71,15 +69,7 @@ func BenchmarkKube(b *testing.B) {
 	ca := startCA(b, cp, ms, cfgPath, dir)
 	installIstioCRDs(b, cp)
 
-	tok, err := cp.Admin.CoreV1().ServiceAccounts("meshtun-system").CreateToken(ctx, "meshtun",
-		&authv1.TokenRequest{Spec: authv1.TokenRequestSpec{ExpirationSeconds: new(int64(3600))}}, metav1.CreateOptions{})
-	if err != nil {
-		b.Fatal(err)
-	}
-	kubeconfig := filepath.Join(dir, "kubeconfig")
-	if err := os.WriteFile(kubeconfig, cp.Kubeconfig(tok.Status.Token), 0o600); err != nil {
-		b.Fatal(err)
-	}
+	kubeconfig := nodeKubeconfig(b, cp, dir)
 	n := c.Nodes[0]
 	client, server, capPods := n.Pods[0], n.Pods[1], n.Pods[2:]
 	k := kubelet{t: b, cs: cp.Admin}

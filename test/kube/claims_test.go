@@ -3,12 +3,9 @@ package kube
 import (
 	"context"
 	"net/netip"
-	"os"
-	"path/filepath"
 	"testing"
 	"time"
 
-	authv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
@@ -35,15 +32,7 @@ func TestForgedPodIPClaim(t *testing.T) {
 	cfgPath := nodeConfig(t, ms, dir, netip.AddrPortFrom(cp.Host.IPv4, caPort))
 	ca := startCA(t, cp, ms, cfgPath, dir)
 	installIstioCRDs(t, cp)
-	tok, err := cp.Admin.CoreV1().ServiceAccounts("meshtun-system").CreateToken(ctx, "meshtun",
-		&authv1.TokenRequest{Spec: authv1.TokenRequestSpec{ExpirationSeconds: new(int64(3600))}}, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	kubeconfig := filepath.Join(dir, "kubeconfig")
-	if err := os.WriteFile(kubeconfig, cp.Kubeconfig(tok.Status.Token), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	kubeconfig := nodeKubeconfig(t, cp, dir)
 
 	n1, n2, n3 := c.Nodes[0], c.Nodes[1], c.Nodes[2]
 	victim, outsider, other := n1.Pods[0], n1.Pods[1], n3.Pods[0]

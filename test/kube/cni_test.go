@@ -12,7 +12,6 @@ import (
 	"testing"
 	"time"
 
-	authv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
@@ -127,15 +126,7 @@ func TestCNIGate(t *testing.T) {
 	dir := t.TempDir()
 	cfgPath := nodeConfig(t, ms, dir, netip.AddrPortFrom(cp.Host.IPv4, caPort))
 	ca := startCA(t, cp, ms, cfgPath, dir)
-	tok, err := cp.Admin.CoreV1().ServiceAccounts("meshtun-system").CreateToken(ctx, "meshtun",
-		&authv1.TokenRequest{Spec: authv1.TokenRequestSpec{ExpirationSeconds: new(int64(3600))}}, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	kubeconfig := filepath.Join(dir, "kubeconfig")
-	if err := os.WriteFile(kubeconfig, cp.Kubeconfig(tok.Status.Token), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	kubeconfig := nodeKubeconfig(t, cp, dir)
 	plugin := filepath.Join(dir, "meshtun-cni-build")
 	if out, err := exec.Command("go", "build", "-C", "../..", "-o", plugin, "./cmd/meshtun-cni").CombinedOutput(); err != nil {
 		t.Fatalf("build meshtun-cni: %v\n%s", err, out)

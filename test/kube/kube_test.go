@@ -219,6 +219,23 @@ func waitLog(t testing.TB, m *noderun.Process, mark int, what string, pred func(
 	return l
 }
 
+// nodeKubeconfig writes dir/kubeconfig for deploy/kubernetes' node
+// service account (meshtun-system/meshtun), with a one-hour token, and
+// returns its path.
+func nodeKubeconfig(t testing.TB, cp *ControlPlane, dir string) string {
+	t.Helper()
+	tok, err := cp.Admin.CoreV1().ServiceAccounts("meshtun-system").CreateToken(context.Background(), "meshtun",
+		&authv1.TokenRequest{Spec: authv1.TokenRequestSpec{ExpirationSeconds: new(int64(3600))}}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	kubeconfig := filepath.Join(dir, "kubeconfig")
+	if err := os.WriteFile(kubeconfig, cp.Kubeconfig(tok.Status.Token), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return kubeconfig
+}
+
 // accessLine returns a predicate for the access log of the connection from src.
 func accessLine(src netip.AddrPort) func(noderun.Line) bool {
 	return func(l noderun.Line) bool {
@@ -260,15 +277,7 @@ func TestKubernetes(t *testing.T) {
 	cfgPath := nodeConfig(t, ms, dir, netip.AddrPortFrom(cp.Host.IPv4, caPort))
 	ca := startCA(t, cp, ms, cfgPath, dir)
 
-	tok, err := cp.Admin.CoreV1().ServiceAccounts("meshtun-system").CreateToken(ctx, "meshtun",
-		&authv1.TokenRequest{Spec: authv1.TokenRequestSpec{ExpirationSeconds: new(int64(3600))}}, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	kubeconfig := filepath.Join(dir, "kubeconfig")
-	if err := os.WriteFile(kubeconfig, cp.Kubeconfig(tok.Status.Token), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	kubeconfig := nodeKubeconfig(t, cp, dir)
 
 	n1, n2 := c.Nodes[0], c.Nodes[1]
 	p11, p12, p13 := n1.Pods[0], n1.Pods[1], n1.Pods[2]
