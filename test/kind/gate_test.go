@@ -111,15 +111,7 @@ func TestGatePodWhileProxyDown(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer capture.Stop()
-	out, err := cl.Podman(ctx, "exec", mesh.farNode, "pgrep", "-f", " node --kubernetes")
-	if err != nil {
-		t.Fatal(err)
-	}
-	pids := strings.Fields(string(out))
-	if len(pids) != 1 {
-		t.Fatalf("node %s: pgrep found %q, want one meshtun node process", mesh.farNode, out)
-	}
-	pid := pids[0]
+	pid := nodeProxyPID(t, mesh.farNode)
 	if _, err := cl.Podman(ctx, "exec", mesh.farNode, "kill", "-STOP", pid); err != nil {
 		t.Fatal(err)
 	}
@@ -168,7 +160,7 @@ func TestGatePodWhileProxyDown(t *testing.T) {
 	back := time.Now().Truncate(time.Second)
 	resume()
 	ip := waitPodReady(t, mesh.ns, name)
-	out, err = cl.Kubectl(ctx, "-n", mesh.ns, "get", "pod", name, "-o", "jsonpath={.status.initContainerStatuses[0].state.terminated.startedAt}")
+	out, err := cl.Kubectl(ctx, "-n", mesh.ns, "get", "pod", name, "-o", "jsonpath={.status.initContainerStatuses[0].state.terminated.startedAt}")
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -559,6 +559,21 @@ func nodeProxyPod(ctx context.Context, node string) (string, int, error) {
 	return name, restarts, nil
 }
 
+// nodeProxyPID is the process ID, inside node, of its one meshtun node
+// process.
+func nodeProxyPID(t *testing.T, node string) string {
+	t.Helper()
+	out, err := cl.Podman(context.Background(), "exec", node, "pgrep", "-f", " node --kubernetes")
+	if err != nil {
+		t.Fatal(err)
+	}
+	pids := strings.Fields(string(out))
+	if len(pids) != 1 {
+		t.Fatalf("node %s: pgrep found %q, want one meshtun node process", node, out)
+	}
+	return pids[0]
+}
+
 // TestNodeProxyKilled: the far client's node proxy is killed with SIGKILL
 // (as the OOM killer would) while the client exchanges a marker with the
 // server every 100 ms: nothing crosses in plaintext while it is gone, the
@@ -596,16 +611,9 @@ func TestNodeProxyKilled(t *testing.T) {
 		}
 		time.Sleep(300 * time.Millisecond) // the log is read again
 	}
-	out, err := cl.Podman(ctx, "exec", mesh.farNode, "pgrep", "-f", " node --kubernetes")
-	if err != nil {
-		t.Fatal(err)
-	}
-	pids := strings.Fields(string(out))
-	if len(pids) != 1 {
-		t.Fatalf("node %s: pgrep found %q, want one meshtun node process", mesh.farNode, out)
-	}
+	pid := nodeProxyPID(t, mesh.farNode)
 	killed := time.Now()
-	if _, err := cl.Podman(ctx, "exec", mesh.farNode, "kill", "-9", pids[0]); err != nil {
+	if _, err := cl.Podman(ctx, "exec", mesh.farNode, "kill", "-9", pid); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := cl.Kubectl(ctx, "-n", "meshtun-system", "rollout", "status", "ds/meshtun", "--timeout=5m"); err != nil {
