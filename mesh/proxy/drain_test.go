@@ -138,6 +138,27 @@ func newStackEnv(t *testing.T, more ...*registry.Workload) *stackEnv {
 	return e
 }
 
+// refusedSYN sends a SYN from from to to and checks that the proxy
+// answers it with a reset and dials nothing; it returns the connection's
+// access record, or false (the failure reported) when there is none.
+func (e *stackEnv) refusedSYN(t *testing.T, what string, from, to netip.AddrPort) (map[string]any, bool) {
+	t.Helper()
+	e.send(t, syn(from, to))
+	s, ok := e.dev.next(t, func(s segment) bool {
+		return s.dst == from || s.dst == to && s.flags == header.TCPFlagSyn
+	})
+	switch {
+	case !ok:
+		t.Fatalf("%s: no answer to the SYN", what)
+	case s.dst == to:
+		t.Errorf("%s: the proxy dialled %s", what, to)
+		return nil, false
+	case !s.flags.Contains(header.TCPFlagRst):
+		t.Errorf("%s: the client got %v, want a reset", what, s.flags)
+	}
+	return e.access.WaitLine(t, func(l map[string]any) bool { return l["src.addr"] == from.String() }), true
+}
+
 func (e *stackEnv) send(t *testing.T, pkt []byte) {
 	t.Helper()
 	e.dev.Send(t, pkt)

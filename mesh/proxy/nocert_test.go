@@ -32,20 +32,10 @@ func TestUncertifiedWorkloadBlocked(t *testing.T) {
 		{"outbound from the workload without certificate", netip.AddrPortFrom(nocert, 41000), netip.AddrPortFrom(server12, 8080)},
 		{"from a local mesh workload to it", netip.AddrPortFrom(client11, 41001), netip.AddrPortFrom(nocert, 8080)},
 	} {
-		e.send(t, syn(c.from, c.to))
-		s, ok := e.dev.next(t, func(s segment) bool {
-			return s.dst == c.from || s.dst == c.to && s.flags == header.TCPFlagSyn
-		})
-		switch {
-		case !ok:
-			t.Fatalf("%s: no answer to the SYN", c.what)
-		case s.dst == c.to:
-			t.Errorf("%s: the proxy dialled %s", c.what, c.to)
+		rec, ok := e.refusedSYN(t, c.what, c.from, c.to)
+		if !ok {
 			continue
-		case !s.flags.Contains(header.TCPFlagRst):
-			t.Errorf("%s: the client got %v, want a reset", c.what, s.flags)
 		}
-		rec := e.access.WaitLine(t, func(l map[string]any) bool { return l["src.addr"] == c.from.String() })
 		if err, _ := rec["error"].(string); rec["message"] != "connection refused" || !strings.Contains(err, "nocert has no certificate") {
 			t.Errorf("%s: access log %v, want a refusal saying default/nocert has no certificate", c.what, rec)
 		}

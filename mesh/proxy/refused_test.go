@@ -40,20 +40,10 @@ func TestRefusedWorkloadDenied(t *testing.T) {
 		{"plaintext from outside the mesh to it", netip.AddrPortFrom(outsider, 41002), netip.AddrPortFrom(refused, 8080)},
 		{"from a local mesh workload to a refused one of no node", netip.AddrPortFrom(client11, 41004), netip.AddrPortFrom(remoteRefused, 8080)},
 	} {
-		e.send(t, syn(c.from, c.to))
-		s, ok := e.dev.next(t, func(s segment) bool {
-			return s.dst == c.from || s.dst == c.to && s.flags == header.TCPFlagSyn
-		})
-		switch {
-		case !ok:
-			t.Fatalf("%s: no answer to the SYN", c.what)
-		case s.dst == c.to:
-			t.Errorf("%s: the proxy dialled %s", c.what, c.to)
+		rec, ok := e.refusedSYN(t, c.what, c.from, c.to)
+		if !ok {
 			continue
-		case !s.flags.Contains(header.TCPFlagRst):
-			t.Errorf("%s: the client got %v, want a reset", c.what, s.flags)
 		}
-		rec := e.access.WaitLine(t, func(l map[string]any) bool { return l["src.addr"] == c.from.String() })
 		if rec["response_flags"] != "DENY" || rec["message"] != "connection refused" {
 			t.Errorf("%s: access log %v, want a refusal with response_flags DENY", c.what, rec)
 		}
