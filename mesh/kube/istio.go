@@ -134,6 +134,10 @@ func (is *istio) informer(resource schema.GroupVersionResource, resync time.Dura
 	return newInformer(cache.ToListWatcherWithWatchListSemantics(lw, is.dyn), &unstructured.Unstructured{}, resync, transformIstio)
 }
 
+// DryRunAnnotation marks an AuthorizationPolicy that is evaluated and
+// logged but not enforced ("true"), as Istio defines it.
+const DryRunAnnotation = "istio.io/dry-run"
+
 // policies returns the AuthorizationPolicies as the policy engine's
 // policies, converted by policy.FromIstio (as the config file's and
 // istiod's: the same warnings and ambient rules). A policy that does not
@@ -192,6 +196,17 @@ func (s *Source) parsePolicy(u *unstructured.Unstructured) []*policy.Policy {
 	var in policy.Istio
 	if err == nil {
 		in, err = decodeAuthorizationPolicy(u.GetNamespace(), u.GetName(), data)
+	}
+	if v, ok := u.GetAnnotations()[DryRunAnnotation]; ok && err == nil {
+		// As istiod reads it (strconv.ParseBool); a value that is not a
+		// boolean leaves the policy enforced, the side that cannot let
+		// in what it denies.
+		dry, perr := strconv.ParseBool(v)
+		if perr != nil {
+			s.log.Warn().Str("policy", name).Str("annotation", DryRunAnnotation).Str("value", v).
+				Msg("annotation is not a boolean; the policy is enforced")
+		}
+		in.DryRun = dry
 	}
 	if err == nil {
 		p, probs := policy.FromIstio(in)

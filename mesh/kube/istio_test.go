@@ -46,6 +46,17 @@ func TestIstioPolicies(t *testing.T) {
 			"selector": map[string]any{"matchLabels": map[string]any{"app": "b"}},
 			"rulez":    []any{},
 		}),
+		// Dry run: evaluated and logged, not enforced.
+		withAnnotation(istioObj("AuthorizationPolicy", "other", "dry-deny-c", map[string]any{
+			"selector": map[string]any{"matchLabels": map[string]any{"app": "c"}},
+			"action":   "DENY",
+		}), DryRunAnnotation, "true"),
+		// Not a boolean: enforced.
+		withAnnotation(istioObj("AuthorizationPolicy", "mesh", "not-dry-a", map[string]any{
+			"selector": map[string]any{"matchLabels": map[string]any{"app": "a"}},
+			"action":   "DENY",
+			"rules":    []any{map[string]any{"to": []any{map[string]any{"operation": map[string]any{"ports": []any{"9001"}}}}}},
+		}), DryRunAnnotation, "yes please"),
 		istioObj("PeerAuthentication", "mesh", "ns-strict", map[string]any{"mtls": map[string]any{"mode": "STRICT"}}),
 		istioObj("PeerAuthentication", "mesh", "b-permissive", map[string]any{
 			"selector":      map[string]any{"matchLabels": map[string]any{"app": "b"}},
@@ -67,8 +78,8 @@ func TestIstioPolicies(t *testing.T) {
 	}
 	wa := snap.Workload(netip.MustParseAddr("198.18.1.11"))
 	deny, allow, strict := wa.Policies()
-	if len(deny) != 1 || len(allow) != 0 || !strict {
-		t.Errorf("pod a: %d DENY, %d ALLOW, strict %v; want the DENY policy and STRICT from its namespace", len(deny), len(allow), strict)
+	if len(deny) != 2 || len(allow) != 0 || !strict {
+		t.Errorf("pod a: %d DENY, %d ALLOW, strict %v; want the two DENY policies (one with a dry-run value that is not a boolean) and STRICT from its namespace", len(deny), len(allow), strict)
 	}
 	wb := snap.Workload(netip.MustParseAddr("198.18.1.12"))
 	deny, allow, _ = wb.Policies()
@@ -78,7 +89,19 @@ func TestIstioPolicies(t *testing.T) {
 	if wb.PeerAuth != registry.Permissive || wb.PortPeerAuth[8080] != registry.Strict {
 		t.Errorf("pod b: mode %v, port modes %v; want PERMISSIVE from its own policy, STRICT on 8080", wb.PeerAuth, wb.PortPeerAuth)
 	}
-	if wc := snap.Workload(netip.MustParseAddr("198.18.1.13")); wc.PeerAuth != registry.Permissive {
+	wc := snap.Workload(netip.MustParseAddr("198.18.1.13"))
+	if wc.PeerAuth != registry.Permissive {
 		t.Errorf("pod c of another namespace: mode %v, want the default PERMISSIVE", wc.PeerAuth)
 	}
+	// The dry-run DENY is audited: not among the enforced policies, but
+	// the workload's traffic is still taken to evaluate it.
+	deny, allow, _ = wc.Policies()
+	if len(deny) != 0 || len(allow) != 0 || !wc.Protected(80) {
+		t.Errorf("pod c: %d DENY, %d ALLOW, protected %v; want its dry-run DENY evaluated (protected) but not enforced", len(deny), len(allow), wc.Protected(80))
+	}
+}
+
+func withAnnotation(u *unstructured.Unstructured, k, v string) *unstructured.Unstructured {
+	u.SetAnnotations(map[string]string{k: v, "kubectl.kubernetes.io/last-applied-configuration": "{}"})
+	return u
 }

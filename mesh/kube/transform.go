@@ -221,8 +221,8 @@ func transformEndpointSlice(obj any) (any, error) {
 
 // transformIstio keeps of an Istio resource (AuthorizationPolicy,
 // PeerAuthentication) its metadata's name, namespace, uid, version and
-// creation time, and its spec: no managedFields, labels, annotations or
-// status.
+// creation time, the istio.io/dry-run annotation, and its spec: no
+// managedFields, labels, other annotations or status.
 func transformIstio(obj any) (any, error) {
 	u, ok := obj.(*unstructured.Unstructured)
 	if !ok {
@@ -239,6 +239,11 @@ func transformIstio(obj any) (any, error) {
 	for _, k := range []string{"apiVersion", "kind", "spec"} {
 		if v, ok := u.Object[k]; ok {
 			out[k] = v
+		}
+	}
+	if ann, _ := md["annotations"].(map[string]any); ann != nil {
+		if v, ok := ann[DryRunAnnotation]; ok {
+			keep["annotations"] = map[string]any{DryRunAnnotation: v}
 		}
 	}
 	u.Object = out
