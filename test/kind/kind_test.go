@@ -155,6 +155,16 @@ func TestDaemonSetOnEveryNode(t *testing.T) {
 			t.Errorf("node %s: addresses %v, pod CIDRs %v, want both families (dual stack)", n.Name, n.IPs, n.PodCIDRs)
 		}
 	}
+	// The CA prefers the control plane (deploy/kubernetes/ca.yaml): a
+	// rebooting worker must not take certificates away from the cluster.
+	out, err = cl.Kubectl(ctx, "-n", "meshtun-system", "get", "pods", "-l", "app.kubernetes.io/name=meshtun-ca",
+		"-o", "jsonpath={.items[*].spec.nodeName}")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, want := strings.TrimSpace(string(out)), cl.Name+"-control-plane"; got != want {
+		t.Errorf("meshtun-ca runs on %q, want the control-plane node %q", got, want)
+	}
 }
 
 // workloads is a namespace with an echo server on the first worker, a
