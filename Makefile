@@ -4,8 +4,8 @@ BIN     := bin/meshtun
 PKGS    := ./...
 # GOTAGS: grpcnotrace leaves out gRPC's golang.org/x/net/trace, whose
 # html/template use turns off the linker's dead-code elimination of methods
-# (binary 102 → 57 MB, RSS at start −12 MiB; docs/ARCHITECTURE.md "What the
-# binary and its RSS at start are made of"). Every build of meshtun passes it:
+# (binary 102 → 57 MB, RSS at start −12 MiB; docs/decisions/2026-12-01-binary-size-rss.md:
+# what the binary and its RSS at start are made of). Every build passes it:
 # here, bench/noderun.BuildTags, deploy/image.
 GOTAGS  := grpcnotrace
 

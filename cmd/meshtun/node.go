@@ -268,7 +268,7 @@ func (t thenStart) Start(ctx context.Context) (*registry.Snapshot, error) {
 // latency. Fewer Ps keep a hand-off on the running thread. Half the CPUs
 // leaves the other half to the workloads (whose every request crosses the
 // proxy and the workload alike) and still scales with the machine; see
-// docs/ARCHITECTURE.md for the measurements.
+// docs/decisions/2026-11-29-passthrough-latency-gomaxprocs.md for the measurements.
 func nodeProcs(flag int, envSet bool, runtimeDefault int) int {
 	switch {
 	case flag > 0:

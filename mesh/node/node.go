@@ -161,7 +161,7 @@ const DefaultDrainPeriod = 30 * time.Second
 
 // DefaultAckDelay is meshtun node's --ack-delay: how long the netstack
 // holds a pure ACK on a connection whose both ends it is, for the reply to
-// carry it (docs/ARCHITECTURE.md, "The bare ACK").
+// carry it (docs/decisions/2026-12-01-levers-round-two.md).
 const DefaultAckDelay = time.Millisecond
 
 // Run runs the node proxy until ctx is done, then drains it (new
