@@ -18,6 +18,9 @@ import (
 var meshtunBin string
 
 func TestMain(m *testing.M) {
+	if spec := os.Getenv(flooderEnv); spec != "" {
+		os.Exit(runFlooder(spec))
+	}
 	var remove func()
 	var err error
 	if meshtunBin, remove, err = noderun.Build("../.."); err != nil {
