@@ -152,7 +152,13 @@ func TestLocalDelivery(t *testing.T) {
 	}
 
 	// The node's connection from a pod's address to the client's port
-	// 15008 (outbound HBONE from the client pod's address).
+	// 15008 (outbound HBONE from the client pod's address), under strict
+	// reverse-path filtering on the uplink (kind sets all.rp_filter=1):
+	// the check of a reply looks the swapped flow up as sent from lo,
+	// which the exemption answers with the uplink.
+	for _, k := range []string{"net/ipv4/conf/all/rp_filter", "net/ipv4/conf/up0/rp_filter"} {
+		must(writeSysctl(k, "1"))
+	}
 	var peerLn net.Listener
 	inClient(func() {
 		peerLn, err = net.Listen("tcp", ":15008")
@@ -209,6 +215,12 @@ func TestLocalDelivery(t *testing.T) {
 		}
 		s.Close()
 		c.Close()
+	}
+	// The route lookups below simulate arrivals (from the TUN, from a
+	// pod's link) that strict filtering would judge by routes this
+	// namespace does not have: back to the default.
+	for _, k := range []string{"net/ipv4/conf/all/rp_filter", "net/ipv4/conf/up0/rp_filter"} {
+		must(writeSysctl(k, "0"))
 	}
 	for _, tc := range []struct {
 		from, pod netip.Addr
