@@ -49,6 +49,24 @@ const (
 // is required and the rules that deliver the replies are gone.
 var errPodSourceLost = errors.New("node: outbound HBONE must leave from the client pod's address (--hbone-source pod) and the rules that deliver its replies are gone")
 
+// hboneFromPod reports whether outbound HBONE of local pod address src
+// leaves from src: with auto, only while the replies to src are delivered
+// (its rules are in: a family without a local route, or a pod whose rules
+// are not in yet, dials from the node's address); with pod required,
+// always (a dial whose replies cannot come back fails: closed).
+func (n *node) hboneFromPod(src netip.Addr) bool {
+	switch n.podSource.Load() {
+	case podSourceOff:
+		return false
+	case podSourceFailed:
+		return true
+	}
+	if n.cfg.HBONESource == HBONESourcePod {
+		return true
+	}
+	return n.local != nil && n.local.Covers(src)
+}
+
 // podDialer opens outbound HBONE connections from a client pod's address:
 // a transparent socket (IP_TRANSPARENT: binding an address the node does
 // not own, CAP_NET_ADMIN) bound to one of ports, SO_REUSEADDR so that

@@ -349,7 +349,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	n.px, err = proxy.New(runCtx, proxy.Config{
 		Node: cfg.Name, Registry: n.reg, HBONE: n.hc, Metrics: n.metrics, FromNode: nodeAddrs.Contains,
 		Certified: n.hasCertificate, Exempt: n.exempt, Netstack: n.st,
-		HBONEFromPod: func() bool { return n.podSource.Load() != podSourceOff },
+		HBONEFromPod: n.hboneFromPod,
 		Inbound: hbone.ServerConfig{
 			TLS: identity.ServerTLS(n.svids, td, func(local netip.Addr) (spiffeid.ID, bool) {
 				w := n.reg.Load().Workload(local)

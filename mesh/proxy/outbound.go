@@ -22,7 +22,7 @@ func (p *Proxy) outbound(req *stack.TCPRequest, rec *record, target netip.AddrPo
 	endpoint := netip.AddrPortFrom(target.Addr(), hbone.Port)
 	rec.hboneAddr = endpoint.String()
 	var from netip.Addr
-	if p.cfg.HBONEFromPod != nil && p.cfg.HBONEFromPod() {
+	if p.cfg.HBONEFromPod != nil && p.cfg.HBONEFromPod(req.Src.Addr()) {
 		from = req.Src.Addr()
 	}
 	ctx, cancel := context.WithTimeout(p.ctx, p.cfg.ConnectTimeout)
