@@ -409,6 +409,11 @@ func Run(ctx context.Context, cfg Config) (err error) {
 				n.podSource.Store(podSourceOn)
 			}
 			defer func() {
+				// The pooled outbound connections from the pods'
+				// addresses end first, while their packets and
+				// replies still pass (the peers see a FIN, not a
+				// connection left open until their keepalive).
+				n.hc.Close()
 				if lerr := n.local.Close(); lerr != nil {
 					log.Error().Err(lerr).Msg("remove HBONE local delivery")
 				}
