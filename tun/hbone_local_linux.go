@@ -42,13 +42,32 @@ type LocalDeliveryConfig struct {
 	Priority int
 	// Pods are the addresses whose Port is delivered locally.
 	Pods []netip.Addr
+	// Replies, if set, are the local ports of the node's own connections
+	// from a pod's address to a peer's Port (outbound HBONE dialled from
+	// the client pod's address): a TCP segment from source port Port to a
+	// pod's address and one of these ports is delivered locally too. Only
+	// this range: a pod's own connection to some server's port Port from
+	// another local port keeps its path.
+	Replies PortRange
 }
+
+// PortRange is an inclusive range of ports; the zero value is none.
+type PortRange struct{ Lo, Hi uint16 }
+
+// IsZero reports whether r is no range.
+func (r PortRange) IsZero() bool { return r.Lo == 0 && r.Hi == 0 }
+
+// Contains reports whether port p is in r.
+func (r PortRange) Contains(p uint16) bool { return !r.IsZero() && p >= r.Lo && p <= r.Hi }
+
+func (r PortRange) String() string { return fmt.Sprintf("%d-%d", r.Lo, r.Hi) }
 
 // LocalDelivery is the set of rules and routes that deliver one TCP port
 // of the local pods' addresses to the node's own sockets, while every
 // other port of the pods is routed as before:
 //
 //	ip rule add to <pod> ipproto tcp dport <port> lookup <table>
+//	ip rule add to <pod> ipproto tcp sport <port> dport <replies> lookup <table>   (with Replies)
 //	ip route add local 0.0.0.0/0 dev lo table <table>
 //
 // A socket listening on the port with IP_TRANSPARENT (ListenTransparent)
@@ -57,7 +76,7 @@ type LocalDeliveryConfig struct {
 type LocalDelivery struct {
 	mu     sync.Mutex
 	cfg    LocalDeliveryConfig
-	rules  map[netip.Addr]*netlink.Rule
+	rules  map[netip.Addr][]*netlink.Rule
 	routes []*netlink.Route
 	fams   map[int]bool // families with a local route
 	closed bool
@@ -73,6 +92,10 @@ func InstallLocalDelivery(cfg LocalDeliveryConfig) (*LocalDelivery, error) {
 	if cfg.Port == 0 {
 		return nil, errors.New("tun: local delivery needs a port")
 	}
+	// The kernel refuses a rule's port range that ends at 65535.
+	if r := cfg.Replies; !r.IsZero() && (r.Lo == 0 || r.Hi == 65535 || r.Lo > r.Hi || r.Contains(cfg.Port)) {
+		return nil, fmt.Errorf("tun: local delivery: reply ports %s: want a range within 1-65534 without %d", r, cfg.Port)
+	}
 	if cfg.Table == 0 {
 		cfg.Table = LocalTable
 	}
@@ -85,7 +108,7 @@ func InstallLocalDelivery(cfg LocalDeliveryConfig) (*LocalDelivery, error) {
 	if err := probePortRules(cfg); err != nil {
 		return nil, err
 	}
-	ld := &LocalDelivery{cfg: cfg, rules: map[netip.Addr]*netlink.Rule{}, fams: map[int]bool{}}
+	ld := &LocalDelivery{cfg: cfg, rules: map[netip.Addr][]*netlink.Rule{}, fams: map[int]bool{}}
 	lo, err := netlink.LinkByName("lo")
 	if err != nil {
 		return nil, fmt.Errorf("tun: local delivery: %w", err)
@@ -189,25 +212,30 @@ func (ld *LocalDelivery) Update(pods []netip.Addr) error {
 		if _, ok := ld.rules[a]; ok {
 			continue
 		}
-		rule := netlink.NewRule()
-		rule.Family = fam
-		rule.Table = ld.cfg.Table
-		rule.Priority = ld.cfg.Priority
-		rule.Dst = prefixToIPNet(netip.PrefixFrom(a, a.BitLen()))
-		rule.IPProto = unix.IPPROTO_TCP
-		rule.Dport = netlink.NewRulePortRange(ld.cfg.Port, ld.cfg.Port)
-		if err := netlink.RuleAdd(rule); err != nil {
-			errs = append(errs, fmt.Errorf("tun: add rule %s: %w", rule, err))
+		var added []*netlink.Rule
+		var err error
+		for _, rule := range ld.podRules(a) {
+			if err = netlink.RuleAdd(rule); err != nil {
+				err = fmt.Errorf("tun: add rule %s: %w", rule, err)
+				break
+			}
+			added = append(added, rule)
+		}
+		if err != nil {
+			for _, rule := range added {
+				netlink.RuleDel(rule)
+			}
+			errs = append(errs, err)
 			continue
 		}
-		ld.rules[a] = rule
+		ld.rules[a] = added
 	}
-	for a, rule := range ld.rules {
+	for a, rules := range ld.rules {
 		if want[a] {
 			continue
 		}
-		if err := netlink.RuleDel(rule); err != nil && !errors.Is(err, unix.ENOENT) {
-			errs = append(errs, fmt.Errorf("tun: delete rule %s: %w", rule, err))
+		if err := delRules(rules); err != nil {
+			errs = append(errs, err)
 			continue
 		}
 		delete(ld.rules, a)
@@ -215,15 +243,54 @@ func (ld *LocalDelivery) Update(pods []netip.Addr) error {
 	return errors.Join(errs...)
 }
 
+// podRules returns the rules of pod address a: its port, and the
+// replies to the node's connections from it.
+func (ld *LocalDelivery) podRules(a netip.Addr) []*netlink.Rule {
+	rule := func() *netlink.Rule {
+		rule := netlink.NewRule()
+		rule.Family = addrFamily(a.Is6())
+		rule.Table = ld.cfg.Table
+		rule.Priority = ld.cfg.Priority
+		rule.Dst = prefixToIPNet(netip.PrefixFrom(a, a.BitLen()))
+		rule.IPProto = unix.IPPROTO_TCP
+		return rule
+	}
+	port := rule()
+	port.Dport = netlink.NewRulePortRange(ld.cfg.Port, ld.cfg.Port)
+	out := []*netlink.Rule{port}
+	if r := ld.cfg.Replies; !r.IsZero() {
+		reply := rule()
+		reply.Sport = netlink.NewRulePortRange(ld.cfg.Port, ld.cfg.Port)
+		reply.Dport = netlink.NewRulePortRange(r.Lo, r.Hi)
+		out = append(out, reply)
+	}
+	return out
+}
+
+// delRules deletes rules (one already gone is no error).
+func delRules(rules []*netlink.Rule) error {
+	var errs []error
+	for _, rule := range rules {
+		if err := netlink.RuleDel(rule); err != nil && !errors.Is(err, unix.ENOENT) {
+			errs = append(errs, fmt.Errorf("tun: delete rule %s: %w", rule, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// Replies returns the local ports whose replies are delivered locally
+// (LocalDeliveryConfig.Replies).
+func (ld *LocalDelivery) Replies() PortRange { return ld.cfg.Replies }
+
 // Close removes the rules, then the routes.
 func (ld *LocalDelivery) Close() error {
 	ld.mu.Lock()
 	defer ld.mu.Unlock()
 	ld.closed = true
 	var errs []error
-	for a, rule := range ld.rules {
-		if err := netlink.RuleDel(rule); err != nil && !errors.Is(err, unix.ENOENT) {
-			errs = append(errs, fmt.Errorf("tun: delete rule %s: %w", rule, err))
+	for a, rules := range ld.rules {
+		if err := delRules(rules); err != nil {
+			errs = append(errs, err)
 		}
 		delete(ld.rules, a)
 	}

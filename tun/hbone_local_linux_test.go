@@ -1,10 +1,12 @@
 package tun
 
 import (
+	"io"
 	"net"
 	"net/netip"
 	"os/exec"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -19,7 +21,11 @@ import (
 // its local address (IPv4 and IPv6); any other port of the pod still
 // routes into the TUN, and port 15008 coming back from the TUN (a dial
 // the netstack makes for a client) still reaches the pod's link, and
-// from another local pod's link it is captured as before. Close
+// from another local pod's link it is captured as before. With Replies,
+// the node dials the client's port 15008 from the pod's address and a
+// port of the range (a transparent socket): the client sees the pod's
+// address, the replies come back to the node's socket, and a segment from
+// port 15008 to another port of the pod still goes into the TUN. Close
 // and the stale-state cleanup remove everything.
 func TestLocalDelivery(t *testing.T) {
 	inNewNetns(t)
@@ -105,12 +111,14 @@ func TestLocalDelivery(t *testing.T) {
 		PodPrefixes: []netip.Prefix{netip.PrefixFrom(pod4, 32), netip.PrefixFrom(pod6, 128)}})
 	must(err)
 	defer r.Close()
-	ld, err := InstallLocalDelivery(LocalDeliveryConfig{Port: 15008, Pods: []netip.Addr{pod4, pod6}})
+	replies := PortRange{Lo: 64512, Hi: 65534}
+	ld, err := InstallLocalDelivery(LocalDeliveryConfig{Port: 15008, Pods: []netip.Addr{pod4, pod6}, Replies: replies})
 	must(err)
 	defer ld.Close()
-	// The listener answers from the pods' addresses: without this its
-	// SYN-ACKs meet the spoof rules.
-	must(r.SetLocalDelivery(15008))
+	// The listener answers from the pods' addresses, and the node's
+	// connections leave from them: without this their packets meet the
+	// spoof rules.
+	must(r.SetLocalDelivery(15008, replies))
 	if v4, v6 := ld.Families(); !v4 || !v6 {
 		t.Fatalf("families delivered locally: IPv4 %v, IPv6 %v; want both", v4, v6)
 	}
@@ -140,6 +148,101 @@ func TestLocalDelivery(t *testing.T) {
 		s.Close()
 		if local.Addr().Unmap() != tc.pod || local.Port() != 15008 || remote.Addr().Unmap() != tc.client {
 			t.Errorf("accepted %s → %s; want %s → %s", remote, local, tc.client, dst)
+		}
+	}
+
+	// The node's connection from a pod's address to the client's port
+	// 15008 (outbound HBONE from the client pod's address), under strict
+	// reverse-path filtering on the uplink (kind sets all.rp_filter=1):
+	// the check of a reply looks the swapped flow up as sent from lo,
+	// which the exemption answers with the uplink.
+	for _, k := range []string{"net/ipv4/conf/all/rp_filter", "net/ipv4/conf/up0/rp_filter"} {
+		must(writeSysctl(k, "1"))
+	}
+	var peerLn net.Listener
+	inClient(func() {
+		peerLn, err = net.Listen("tcp", ":15008")
+	})
+	must(err)
+	defer peerLn.Close()
+	for _, tc := range []struct{ pod, client netip.Addr }{{pod4, client4}, {pod6, client6}} {
+		local := netip.AddrPortFrom(tc.pod, 64600)
+		d := net.Dialer{Timeout: 5 * time.Second, Control: func(network, address string, c syscall.RawConn) error {
+			if err := TransparentSocket(network, address, c); err != nil {
+				return err
+			}
+			var berr error
+			c.Control(func(fd uintptr) {
+				var sa unix.Sockaddr = &unix.SockaddrInet6{Addr: tc.pod.As16(), Port: int(local.Port())}
+				if tc.pod.Is4() {
+					sa = &unix.SockaddrInet4{Addr: tc.pod.As4(), Port: int(local.Port())}
+				}
+				berr = unix.Bind(int(fd), sa)
+			})
+			return berr
+		}}
+		network := "tcp4"
+		if tc.pod.Is6() {
+			network = "tcp6"
+		}
+		c, err := d.Dial(network, netip.AddrPortFrom(tc.client, 15008).String())
+		if err != nil {
+			t.Fatalf("node dials %s:15008 from %s: %v", tc.client, local, err)
+		}
+		peerLn.(*net.TCPListener).SetDeadline(time.Now().Add(5 * time.Second))
+		s, err := peerLn.Accept()
+		if err != nil {
+			t.Fatalf("client accepts the node's connection from %s: %v", local, err)
+		}
+		if got := s.RemoteAddr().(*net.TCPAddr).AddrPort(); got.Addr().Unmap() != tc.pod || got.Port() != local.Port() {
+			t.Errorf("client sees the node's connection from %s, want %s", got, local)
+		}
+		// Data both ways: the replies reach the node's socket.
+		s.SetDeadline(time.Now().Add(5 * time.Second))
+		c.SetDeadline(time.Now().Add(5 * time.Second))
+		buf := make([]byte, 4)
+		if _, err := c.Write([]byte("ping")); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := io.ReadFull(s, buf); err != nil || string(buf) != "ping" {
+			t.Fatalf("client read %q, %v", buf, err)
+		}
+		if _, err := s.Write([]byte("pong")); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := io.ReadFull(c, buf); err != nil || string(buf) != "pong" {
+			t.Fatalf("node read %q, %v (the reply from port 15008 was not delivered to its socket)", buf, err)
+		}
+		s.Close()
+		c.Close()
+	}
+	// The route lookups below simulate arrivals (from the TUN, from a
+	// pod's link) that strict filtering would judge by routes this
+	// namespace does not have: back to the default.
+	for _, k := range []string{"net/ipv4/conf/all/rp_filter", "net/ipv4/conf/up0/rp_filter"} {
+		must(writeSysctl(k, "0"))
+	}
+	for _, tc := range []struct {
+		from, pod netip.Addr
+		sport     string
+		dport     string
+		want      string
+	}{
+		{client4, pod4, "15008", "64600", "local " + pod4.String()},
+		{client6, pod6, "15008", "64600", "local " + pod6.String()},
+		// A pod's own connection to a server's port 15008, from a port
+		// outside the range: its replies still go to the pod (the TUN).
+		{client4, pod4, "15008", "40000", "dev mt0"},
+		{client6, pod6, "15008", "40000", "dev mt0"},
+		{client4, pod4, "15009", "64600", "dev mt0"},
+	} {
+		out, err := exec.Command("ip", "route", "get", tc.pod.String(), "from", tc.from.String(), "iif", "up0",
+			"ipproto", "tcp", "sport", tc.sport, "dport", tc.dport).CombinedOutput()
+		if err != nil {
+			t.Fatalf("ip route get: %v: %s", err, out)
+		}
+		if !strings.Contains(string(out), tc.want) {
+			t.Errorf("tcp %s:%s → %s:%s arriving on up0: %q; want %q", tc.from, tc.sport, tc.pod, tc.dport, strings.TrimSpace(string(out)), tc.want)
 		}
 	}
 
@@ -175,6 +278,18 @@ func TestLocalDelivery(t *testing.T) {
 	must(ld.Update([]netip.Addr{pod6}))
 	if ld.Covers(pod4) || !ld.Covers(pod6) {
 		t.Errorf("after Update(%s): covers %s %v, %s %v", pod6, pod4, ld.Covers(pod4), pod6, ld.Covers(pod6))
+	}
+
+	// The exemptions go with SetLocalDelivery(0).
+	must(r.SetLocalDelivery(0, PortRange{}))
+	for _, fam := range []int{unix.AF_INET, unix.AF_INET6} {
+		rules, err := netlink.RuleList(fam)
+		must(err)
+		for _, rule := range rules {
+			if rule.IifName == "lo" && rule.IPProto == unix.IPPROTO_TCP {
+				t.Errorf("family %d: exemption %s left after SetLocalDelivery(0)", fam, rule)
+			}
+		}
 	}
 
 	// What a crashed run leaves is removed by the stale-state cleanup.

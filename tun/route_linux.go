@@ -48,6 +48,9 @@ type CaptureLink struct {
 //	P-3  iif <tun> lookup main                what the TUN writes back
 //	P-3  iif lo ipproto tcp sport <port>      the replies of meshtun's local-delivery
 //	     uidrange <meshtun's uid> goto P      listener (SetLocalDelivery), from a pod's address
+//	P-3  iif lo ipproto tcp sport <clients>   meshtun's own connections from a pod's address
+//	     dport <port> uidrange <meshtun's     to a peer's port (outbound HBONE from the
+//	     uid> goto P                          client pod's address; SetLocalDelivery)
 //	P-2  iif <link> lookup T+1                any other source on that link: spoofed
 //	P-2  from <source> lookup T+1             a captured pod's address from anywhere else: spoofed
 //	P    to <pod> lookup T                    traffic to a captured pod, from anywhere else
@@ -95,6 +98,7 @@ type Routing struct {
 	links     []CaptureLink
 	pods      []netip.Prefix
 	localPort uint16
+	clients   PortRange
 }
 
 // InstallRouting routes the captured traffic into dev, and spoofed packets
@@ -249,6 +253,17 @@ func (r *Routing) rules(links []CaptureLink, pods []netip.Prefix) []*netlink.Rul
 			uid := uint32(os.Geteuid())
 			rule.UIDRange = netlink.NewRuleUIDRange(uid, uid)
 			rule.Goto = cfg.Priority
+			if c := r.clients; !c.IsZero() {
+				// meshtun's connections from a pod's address to a
+				// peer's port (their replies: LocalDelivery's
+				// Replies), same terms, only from those local ports.
+				rule := add(family, cfg.Priority-3, 0, "lo", nil, nil)
+				rule.IPProto = unix.IPPROTO_TCP
+				rule.Sport = netlink.NewRulePortRange(c.Lo, c.Hi)
+				rule.Dport = netlink.NewRulePortRange(r.localPort, r.localPort)
+				rule.UIDRange = netlink.NewRuleUIDRange(uid, uid)
+				rule.Goto = cfg.Priority
+			}
 		}
 	}
 	for _, l := range links {
@@ -300,6 +315,9 @@ func ruleKey(r *netlink.Rule) string {
 	var sport string
 	if r.Sport != nil {
 		sport = fmt.Sprintf("%d-%d", r.Sport.Start, r.Sport.End)
+	}
+	if r.Dport != nil {
+		sport += fmt.Sprintf(">%d-%d", r.Dport.Start, r.Dport.End)
 	}
 	var uids string
 	if r.UIDRange != nil {
@@ -393,14 +411,20 @@ func (r *Routing) Update(links []CaptureLink, pods []netip.Prefix) error {
 // listener (LocalDelivery, a transparent socket whose packets carry a
 // pod's address as source) holds TCP port port, so that its packets skip
 // the spoof rules; 0 when it no longer does (its rule is removed: a node
-// process that binds the port afterwards is caught again).
-func (r *Routing) SetLocalDelivery(port uint16) error {
+// process that binds the port afterwards is caught again). clients, if
+// not zero, are the local ports of meshtun's own transparent connections
+// from a pod's address to a peer's port port (LocalDeliveryConfig.Replies):
+// their packets skip the spoof rules too.
+func (r *Routing) SetLocalDelivery(port uint16, clients PortRange) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.closed {
 		return errors.New("tun: routing already closed")
 	}
-	r.localPort = port
+	if port == 0 {
+		clients = PortRange{}
+	}
+	r.localPort, r.clients = port, clients
 	return r.reconcile(r.links, r.pods)
 }
 

@@ -33,6 +33,7 @@ func runNode(ctx context.Context, args []string) error {
 		noIntercept          bool
 		uninstall            bool
 		hboneNetstack        bool
+		hboneSource          string
 		drain                time.Duration
 		ackDelay             time.Duration
 		hsTimeout            time.Duration
@@ -57,6 +58,7 @@ func runNode(ctx context.Context, args []string) error {
 	fs.BoolVar(&noIntercept, "no-intercept", false, "intercept nothing: every packet goes through the TUN verbatim (for measuring the TUN path alone)")
 	fs.BoolVar(&uninstall, "uninstall", false, "remove meshtun from this network namespace (its rules and blocking routes, which a stopped proxy leaves so that captured traffic stays blocked) and exit; refused while a proxy runs")
 	fs.BoolVar(&hboneNetstack, "hbone-netstack", false, "terminate inbound HBONE on the netstack through the TUN, not on a kernel socket (the fallback when the kernel cannot; for comparisons)")
+	fs.StringVar(&hboneSource, "hbone-source", node.HBONESourceAuto, "the source `address` of outbound HBONE connections: pod (the client pod's, as ztunnel; the node refuses to start if the kernel cannot deliver the replies), node (the node's; the client travels in the forwarded header only), auto (pod where the kernel inbound HBONE path is up, else node with a warning)")
 	fs.DurationVar(&hsTimeout, "hbone-handshake-timeout", hbone.DefaultHandshakeTimeout, "inbound HBONE: the `duration` a client has for its TLS handshake and HTTP/2 preface")
 	fs.IntVar(&maxHS, "hbone-max-handshakes", hbone.DefaultMaxHandshakes, "inbound HBONE: the `number` of TLS handshakes pending at once, from all sources (beyond: reset; a source holding fewer takes the slot of one holding the most)")
 	fs.IntVar(&maxHSSource, "hbone-max-handshakes-per-source", hbone.DefaultMaxHandshakesPerSource, "inbound HBONE: the `number` of TLS handshakes pending at once from one source address")
@@ -170,6 +172,7 @@ func runNode(ctx context.Context, args []string) error {
 		CA:              identity.CAConfig{Dir: c.CA.Dir, SVIDTTL: c.CA.SVIDTTL},
 		NoIntercept:     noIntercept,
 		HBONEOnNetstack: hboneNetstack,
+		HBONESource:     hboneSource,
 		AckDelay:        ackDelay,
 
 		HBONEHandshakeTimeout:       hsTimeout,

@@ -29,8 +29,14 @@ func (n *node) kernelHBONE(ctx context.Context, locals []*registry.Workload) *tu
 		log.Warn().Err(err).Msg("inbound HBONE: no transparent listener on the node; terminating on the netstack")
 		return nil
 	}
+	// The replies to outbound HBONE dialled from a client pod's address
+	// come the same way, unless the node dials from its own.
+	var replies tun.PortRange
+	if n.cfg.HBONESource != HBONESourceNode {
+		replies = HBONEClientPorts
+	}
 	ld, err := tun.InstallLocalDelivery(tun.LocalDeliveryConfig{
-		Port: hbone.Port, Pods: podAddrs(locals),
+		Port: hbone.Port, Pods: podAddrs(locals), Replies: replies,
 	})
 	if err != nil {
 		ln.Close()
@@ -39,7 +45,7 @@ func (n *node) kernelHBONE(ctx context.Context, locals []*registry.Workload) *tu
 	}
 	// The listener answers from the pods' addresses: its packets skip the
 	// spoof rules while it holds the port.
-	if err := n.routes.SetLocalDelivery(hbone.Port); err != nil {
+	if err := n.routes.SetLocalDelivery(hbone.Port, replies); err != nil {
 		ld.Close()
 		ln.Close()
 		log.Warn().Err(err).Msg("inbound HBONE: cannot exempt the listener's replies from the spoof rules; terminating on the netstack")
@@ -57,11 +63,28 @@ func (n *node) kernelHBONE(ctx context.Context, locals []*registry.Workload) *tu
 			// Without a listener the rules would blackhole port 15008:
 			// remove them, so that the netstack takes it again.
 			cerr := ld.Close()
-			rerr := n.routes.SetLocalDelivery(0)
+			rerr := n.routes.SetLocalDelivery(0, tun.PortRange{})
+			n.losePodSource()
 			n.log.Error().Err(err).AnErr("remove_rules", cerr).AnErr("remove_exemption", rerr).Msg("inbound HBONE listener stopped; terminating on the netstack")
 		}
 	}()
 	return ld
+}
+
+// losePodSource is called when the replies to outbound HBONE from a pod's
+// address are no longer delivered: auto falls back to the node's address,
+// a required pod source fails every outbound HBONE dial from then on.
+func (n *node) losePodSource() {
+	if n.podSource.Load() == podSourceOff {
+		return
+	}
+	if n.cfg.HBONESource == HBONESourcePod {
+		n.podSource.Store(podSourceFailed)
+		n.log.Error().Msg("outbound HBONE from the client pod's address is required (--hbone-source pod) and its replies are no longer delivered: outbound HBONE fails")
+		return
+	}
+	n.podSource.Store(podSourceOff)
+	n.log.Warn().Msg("outbound HBONE: the replies to the pods' addresses are no longer delivered; dialling from the node's address (the client travels in forwarded only)")
 }
 
 // podAddrs returns the workloads' addresses.

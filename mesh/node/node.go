@@ -82,6 +82,11 @@ type Config struct {
 	// the TUN, as when the kernel cannot deliver a pod's port 15008 to a
 	// node socket (the fallback; for tests and comparisons).
 	HBONEOnNetstack bool
+	// HBONESource is where outbound HBONE connections are dialled from:
+	// HBONESourceAuto (the default, when empty), HBONESourcePod or
+	// HBONESourceNode. The client pod's address needs the kernel inbound
+	// HBONE path (its replies are delivered the same way).
+	HBONESource string
 	// HBONEHandshakeTimeout, HBONEMaxHandshakes,
 	// HBONEMaxHandshakesPerSource and HBONEMaxConnsPerPeer bound inbound
 	// HBONE (hbone.ServerConfig's HandshakeTimeout, MaxHandshakes,
@@ -238,10 +243,24 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	defer n.certs.stop()
 
 	// The HBONE dials go to pods of other nodes, which no rule of this
-	// node captures.
+	// node captures; from the node's address, or from the client pod's
+	// (podDialer) while n.podSource says so.
+	switch cfg.HBONESource {
+	case "":
+		cfg.HBONESource = HBONESourceAuto
+		n.cfg.HBONESource = HBONESourceAuto
+	case HBONESourceAuto, HBONESourcePod, HBONESourceNode:
+	default:
+		return fmt.Errorf("node: HBONE source %q: want %s, %s or %s", cfg.HBONESource, HBONESourceAuto, HBONESourcePod, HBONESourceNode)
+	}
+	if cfg.HBONESource == HBONESourcePod && (cfg.HBONEOnNetstack || cfg.NoIntercept) {
+		return fmt.Errorf("node: outbound HBONE from the pod's address (HBONE source %q) needs inbound HBONE on the kernel socket", cfg.HBONESource)
+	}
 	dialer := &net.Dialer{}
+	pd := &podDialer{ports: HBONEClientPorts, state: &n.podSource}
 	n.hc, err = hbone.NewClient(hbone.ClientConfig{
-		Dial: dialer.DialContext,
+		Dial:     dialer.DialContext,
+		DialFrom: pd.dial,
 		TLS: func(src, dst spiffeid.ID) (*tls.Config, error) {
 			return identity.ClientTLS(n.svids.Workload(src), dst), nil
 		},
@@ -330,6 +349,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	n.px, err = proxy.New(runCtx, proxy.Config{
 		Node: cfg.Name, Registry: n.reg, HBONE: n.hc, Metrics: n.metrics, FromNode: nodeAddrs.Contains,
 		Certified: n.hasCertificate, Exempt: n.exempt, Netstack: n.st,
+		HBONEFromPod: n.hboneFromPod,
 		Inbound: hbone.ServerConfig{
 			TLS: identity.ServerTLS(n.svids, td, func(local netip.Addr) (spiffeid.ID, bool) {
 				w := n.reg.Load().Workload(local)
@@ -385,15 +405,33 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	if !cfg.HBONEOnNetstack && !cfg.NoIntercept {
 		if n.local = n.kernelHBONE(runCtx, locals); n.local != nil {
 			hboneOn = "kernel"
+			if !n.local.Replies().IsZero() {
+				n.podSource.Store(podSourceOn)
+			}
 			defer func() {
+				// The pooled outbound connections from the pods'
+				// addresses end first, while their packets and
+				// replies still pass (the peers see a FIN, not a
+				// connection left open until their keepalive).
+				n.hc.Close()
 				if lerr := n.local.Close(); lerr != nil {
 					log.Error().Err(lerr).Msg("remove HBONE local delivery")
 				}
-				if rerr := routes.SetLocalDelivery(0); rerr != nil {
+				if rerr := routes.SetLocalDelivery(0, tun.PortRange{}); rerr != nil {
 					log.Error().Err(rerr).Msg("remove the local-delivery listener's exemption from the spoof rules")
 				}
 			}()
 		}
+	}
+
+	hboneSource := "node"
+	switch {
+	case n.podSource.Load() == podSourceOn:
+		hboneSource = "pod"
+	case cfg.HBONESource == HBONESourcePod:
+		return errors.New("node: outbound HBONE from the pod's address is required (HBONE source pod) and the kernel cannot deliver its replies (see the warning above)")
+	case cfg.HBONESource == HBONESourceAuto && !cfg.NoIntercept:
+		log.Warn().Msg("outbound HBONE leaves from the node's address (the kernel inbound HBONE path is off): a ztunnel peer evaluates the clients' source-IP rules on the node's address")
 	}
 
 	// Certificates last, once everything is captured: a workload whose
@@ -423,7 +461,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 		linkNames = append(linkNames, l.Name)
 	}
 	log.Info().Str("node", cfg.Name).Str("tun", dev.Name()).Int("mtu", dev.MTU()).
-		Strs("capture_links", linkNames).Str("hbone_inbound", hboneOn).
+		Strs("capture_links", linkNames).Str("hbone_inbound", hboneOn).Str("hbone_source", hboneSource).
 		Int("workloads", len(locals)).Int("workloads_without_certificate", len(n.uncertified(mesh))).
 		Str("trust_domain", td.String()).
 		Msg(ReadyMessage)
@@ -467,6 +505,7 @@ type node struct {
 	certs        *certKeeper
 	routes       *tun.Routing
 	local        *tun.LocalDelivery // nil: inbound HBONE on the netstack
+	podSource    atomic.Int32       // podSourceOff, On, Failed: outbound HBONE's source address
 	sink         *spoofSink
 	ready        atomic.Bool
 	synced       atomic.Bool       // the source delivered its first model

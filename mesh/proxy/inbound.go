@@ -165,20 +165,43 @@ type tlsFailure struct{ err error }
 func (e *tlsFailure) Error() string { return "TLS: " + e.err.Error() }
 func (e *tlsFailure) Unwrap() error { return e.err }
 
-// inboundSource returns the address the upstream connection is made from:
-// the original client named in the forwarded header when that address
-// belongs to a workload whose identity is the verified peer's, so that
-// the application sees the real client; otherwise the tunnel's own peer
-// address (a claim the peer cannot back is not repeated).
+// inboundSource returns the address the upstream connection is made from
+// and the source workload, as the peer's identity backs them:
+//
+//   - the tunnel's own peer address, when the model ties it to a
+//     workload of the verified peer identity (a client pod that dialled
+//     from its own address, as ztunnel and meshtun do), with the port
+//     forwarded names for that same address;
+//   - else the original client named in the forwarded header, when the
+//     model ties that address to the peer identity (a node that dials
+//     from its own address and carries the client in forwarded);
+//   - else the tunnel's peer address, as the TCP connection came from it
+//     (port 0), with no source workload unless the model ties it to the
+//     peer identity: a claim the peer cannot back is not repeated.
+//
+// The address is also what source-IP rules (ipBlocks) are evaluated on.
 func (p *Proxy) inboundSource(snap *registry.Snapshot, r *hbone.Request) (netip.AddrPort, *registry.Workload) {
-	if f := r.Forwarded.For; f.Addr().IsValid() && f.Addr().Is4() == r.Target.Addr().Is4() {
-		if w := snap.Workload(f.Addr()); w != nil && w.Identity == r.Peer {
-			return netip.AddrPortFrom(f.Addr().Unmap(), f.Port()), w
+	peer := r.PeerAddr.Addr().Unmap()
+	pw := snap.Workload(peer)
+	if pw != nil && pw.Identity != r.Peer {
+		pw = nil
+	}
+	f := r.Forwarded.For
+	fa := f.Addr().Unmap()
+	if pw != nil {
+		if fa == peer {
+			return netip.AddrPortFrom(peer, f.Port()), pw
+		}
+		return netip.AddrPortFrom(peer, 0), pw
+	}
+	if fa.IsValid() && fa.Is4() == r.Target.Addr().Unmap().Is4() {
+		if w := snap.Workload(fa); w != nil && w.Identity == r.Peer {
+			return netip.AddrPortFrom(fa, f.Port()), w
 		}
 		p.log.Debug().Str("forwarded_for", f.String()).Str("peer", r.Peer.String()).
 			Msg("forwarded address does not belong to the peer's identity; using the tunnel's address")
 	}
-	return netip.AddrPortFrom(r.PeerAddr.Addr(), 0), snap.Workload(r.PeerAddr.Addr())
+	return netip.AddrPortFrom(peer, 0), nil
 }
 
 // inboundPlain handles a plaintext connection from outside the mesh to a

@@ -15,6 +15,7 @@ import (
 
 	"github.com/meshtun/meshtun/mesh/identity"
 	"github.com/meshtun/meshtun/mesh/metrics"
+	"github.com/meshtun/meshtun/mesh/policy"
 	"github.com/meshtun/meshtun/mesh/registry"
 	"github.com/meshtun/meshtun/protocols/hbone"
 	"github.com/meshtun/meshtun/stack"
@@ -50,13 +51,15 @@ type inboundEnv struct {
 
 	endpoint       netip.AddrPort
 	client, server spiffeid.ID
-	other          spiffeid.ID
+	other, pod     spiffeid.ID
 }
 
 var (
 	serverAddr   = netip.MustParseAddr("127.0.0.1")
 	clientAddr   = netip.MustParseAddr("198.18.5.1") // a/client, node n2
 	otherAddr    = netip.MustParseAddr("198.18.5.2") // c/other, node n2
+	podAddr      = netip.MustParseAddr("127.0.0.3")  // d/pod, node n2: a client pod that dials from its own address
+	replicaAddr  = netip.MustParseAddr("198.18.5.3") // d/replica, node n2: another pod of d/pod's identity
 	unknownAddr  = netip.MustParseAddr("198.18.5.99")
 	clientAddr6  = netip.MustParseAddr("fd00:6d74:5::1") // a/client's IPv6
 	targetPort   = uint16(8080)
@@ -69,6 +72,8 @@ func newInboundEnv(t *testing.T) *inboundEnv {
 		{Name: "server", Namespace: "b", ServiceAccount: "server", Node: "n1", InMesh: true, Addresses: []netip.Addr{serverAddr}},
 		{Name: "client", Namespace: "a", ServiceAccount: "client", Node: "n2", InMesh: true, Addresses: []netip.Addr{clientAddr, clientAddr6}},
 		{Name: "other", Namespace: "c", ServiceAccount: "other", Node: "n2", InMesh: true, Addresses: []netip.Addr{otherAddr}},
+		{Name: "pod", Namespace: "d", ServiceAccount: "pod", Node: "n2", InMesh: true, Addresses: []netip.Addr{podAddr}},
+		{Name: "replica", Namespace: "d", ServiceAccount: "pod", Node: "n2", InMesh: true, Addresses: []netip.Addr{replicaAddr}},
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -81,6 +86,7 @@ func newInboundEnv(t *testing.T) *inboundEnv {
 		client:  snap.WorkloadByName("a", "client").Identity,
 		server:  snap.WorkloadByName("b", "server").Identity,
 		other:   snap.WorkloadByName("c", "other").Identity,
+		pod:     snap.WorkloadByName("d", "pod").Identity,
 	}
 	ca, err := identity.OpenCA(identity.CAConfig{Dir: t.TempDir(), TrustDomain: testTD, SVIDTTL: time.Hour})
 	if err != nil {
@@ -91,7 +97,7 @@ func newInboundEnv(t *testing.T) *inboundEnv {
 		t.Fatal(err)
 	}
 	t.Cleanup(src.Close)
-	for _, id := range []spiffeid.ID{e.client, e.server, e.other} {
+	for _, id := range []spiffeid.ID{e.client, e.server, e.other, e.pod} {
 		if err := src.Add(context.Background(), id); err != nil {
 			t.Fatal(err)
 		}
@@ -133,6 +139,10 @@ func newInboundEnv(t *testing.T) *inboundEnv {
 	e.endpoint = ln.Addr().(*net.TCPAddr).AddrPort()
 	e.cl, err = hbone.NewClient(hbone.ClientConfig{
 		TLS: func(s, d spiffeid.ID) (*tls.Config, error) { return identity.ClientTLS(src.Workload(s), d), nil },
+		DialFrom: func(ctx context.Context, from netip.Addr, ep netip.AddrPort) (net.Conn, error) {
+			d := net.Dialer{LocalAddr: net.TCPAddrFromAddrPort(netip.AddrPortFrom(from, 0))}
+			return d.DialContext(ctx, "tcp", ep.String())
+		},
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -145,10 +155,17 @@ func newInboundEnv(t *testing.T) *inboundEnv {
 // with forwarded for fwd (if valid), and returns the refusal.
 func (e *inboundEnv) dial(t *testing.T, peer spiffeid.ID, fwd netip.AddrPort) *hbone.StatusError {
 	t.Helper()
+	return e.dialFrom(t, peer, netip.Addr{}, fwd)
+}
+
+// dialFrom is dial with the HBONE connection dialled from address from
+// (loopback's 127.0.0.1 if not valid).
+func (e *inboundEnv) dialFrom(t *testing.T, peer spiffeid.ID, from netip.Addr, fwd netip.AddrPort) *hbone.StatusError {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	c, err := e.cl.Dial(ctx, hbone.DialRequest{
-		Source: peer, Destination: e.server, Endpoint: e.endpoint, Target: targetServer,
+		Source: peer, Destination: e.server, Endpoint: e.endpoint, Target: targetServer, From: from,
 		Forwarded: hbone.Forwarded{For: fwd},
 	})
 	if err == nil {
@@ -232,33 +249,84 @@ func TestInboundRefusedWhileDraining(t *testing.T) {
 	}
 }
 
-// TestInboundSourceChoice: the workload is dialled from the forwarded
-// client address only when that address belongs to a workload with the
-// verified peer's identity; otherwise from the tunnel's own address, port
-// 0 (the claim is not repeated).
+// TestInboundSourceChoice: the workload is dialled from the tunnel's
+// peer address when the model ties it to the verified peer's identity (a
+// client pod that dialled from its own address, as ztunnel does; with
+// forwarded's port if forwarded names that address); else from the
+// forwarded client address when that address belongs to a workload with
+// the verified peer's identity; otherwise from the tunnel's own address,
+// port 0 (the claim is not repeated).
 func TestInboundSourceChoice(t *testing.T) {
 	e := newInboundEnv(t)
 	tunnel := netip.AddrPortFrom(serverAddr, 0) // the client dials from loopback
 	for _, tc := range []struct {
 		name string
 		peer spiffeid.ID
+		from netip.Addr
 		fwd  netip.AddrPort
 		want netip.AddrPort
 	}{
-		{"forwarded address of the peer's workload", e.client, netip.AddrPortFrom(clientAddr, 40001), netip.AddrPortFrom(clientAddr, 40001)},
-		{"no forwarded header", e.client, netip.AddrPort{}, tunnel},
-		{"forwarded address of another identity's workload", e.client, netip.AddrPortFrom(otherAddr, 40002), tunnel},
-		{"the other workload's own address, as itself", e.other, netip.AddrPortFrom(otherAddr, 40003), netip.AddrPortFrom(otherAddr, 40003)},
-		{"forwarded address of no workload", e.client, netip.AddrPortFrom(unknownAddr, 40004), tunnel},
-		{"forwarded IPv6 for an IPv4 target", e.client, netip.AddrPortFrom(clientAddr6, 40005), tunnel},
+		{"forwarded address of the peer's workload", e.client, netip.Addr{}, netip.AddrPortFrom(clientAddr, 40001), netip.AddrPortFrom(clientAddr, 40001)},
+		{"no forwarded header", e.client, netip.Addr{}, netip.AddrPort{}, tunnel},
+		{"forwarded address of another identity's workload", e.client, netip.Addr{}, netip.AddrPortFrom(otherAddr, 40002), tunnel},
+		{"the other workload's own address, as itself", e.other, netip.Addr{}, netip.AddrPortFrom(otherAddr, 40003), netip.AddrPortFrom(otherAddr, 40003)},
+		{"forwarded address of no workload", e.client, netip.Addr{}, netip.AddrPortFrom(unknownAddr, 40004), tunnel},
+		{"forwarded IPv6 for an IPv4 target", e.client, netip.Addr{}, netip.AddrPortFrom(clientAddr6, 40005), tunnel},
+		{"peer address of the peer's workload, forwarded the same", e.pod, podAddr, netip.AddrPortFrom(podAddr, 40006), netip.AddrPortFrom(podAddr, 40006)},
+		{"peer address of the peer's workload, no forwarded header", e.pod, podAddr, netip.AddrPort{}, netip.AddrPortFrom(podAddr, 0)},
+		// ztunnel's form: the peer address wins over a forwarded
+		// address (even one the identity would back).
+		{"peer address of the peer's workload, forwarded another identity's", e.pod, podAddr, netip.AddrPortFrom(otherAddr, 40007), netip.AddrPortFrom(podAddr, 0)},
+		{"peer address of the peer's workload, forwarded a replica of the same identity", e.pod, podAddr, netip.AddrPortFrom(replicaAddr, 40009), netip.AddrPortFrom(podAddr, 0)},
+		{"peer address of another identity's workload", e.client, podAddr, netip.AddrPortFrom(clientAddr, 40008), netip.AddrPortFrom(clientAddr, 40008)},
+		{"peer address of another identity's workload, no forwarded header", e.client, podAddr, netip.AddrPort{}, netip.AddrPortFrom(podAddr, 0)},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			e.dial(t, tc.peer, tc.fwd)
+			e.dialFrom(t, tc.peer, tc.from, tc.fwd)
 			d := e.nextDial(t)
 			if d.src != tc.want || d.dst != targetServer {
 				t.Errorf("dialled %s -> %s, want %s -> %s", d.src, d.dst, tc.want, targetServer)
 			}
 		})
+	}
+}
+
+// TestInboundSourceIPPolicy: a source-IP DENY (ipBlocks) is evaluated on
+// the address inboundSource chose: a client pod that dials from its own
+// address is denied by a rule on that address, with no forwarded header
+// at all (ztunnel's form), and the access log names it as src.addr and
+// its workload.
+func TestInboundSourceIPPolicy(t *testing.T) {
+	e := newInboundEnv(t)
+	deny, err := policy.New(policy.Policy{Name: "deny-pod-ip", Namespace: "b", Action: policy.Deny,
+		Rules: []policy.Rule{{From: []policy.Source{{IPBlocks: []policy.IPBlock{{CIDR: netip.PrefixFrom(podAddr, 32)}}}}}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	snap, err := registry.Build(registry.Model{TrustDomain: testTD, Workloads: e.snap.Workloads, Policies: []*policy.Policy{deny}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.p.cfg.Registry.Store(snap)
+	se := e.dialFrom(t, e.pod, podAddr, netip.AddrPort{})
+	if se.Code != 401 && se.Code != 403 {
+		t.Errorf("CONNECT from the denied pod address: %d, want a denial", se.Code)
+	}
+	select {
+	case d := <-e.dialer.calls:
+		t.Errorf("the denied connection was dialled: %s -> %s", d.src, d.dst)
+	default:
+	}
+	rec := e.lastRecord(t)
+	if rec["src.addr"] != podAddr.String()+":0" || rec["src.workload"] != "pod" {
+		t.Errorf("access log src.addr %v src.workload %v, want %s:0 and pod", rec["src.addr"], rec["src.workload"], podAddr)
+	}
+	// Another identity from that address: the rule on the address still
+	// applies, and the address's workload is not named as the source.
+	e.dialFrom(t, e.client, podAddr, netip.AddrPort{})
+	rec = e.lastRecord(t)
+	if rec["src.addr"] != podAddr.String()+":0" || rec["src.workload"] == "pod" || rec["src.identity"] != e.client.String() {
+		t.Errorf("access log src.addr %v src.workload %v src.identity %v, want %s:0, not pod, %s", rec["src.addr"], rec["src.workload"], rec["src.identity"], podAddr, e.client)
 	}
 }
 

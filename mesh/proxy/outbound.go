@@ -21,8 +21,13 @@ import (
 func (p *Proxy) outbound(req *stack.TCPRequest, rec *record, target netip.AddrPort) {
 	endpoint := netip.AddrPortFrom(target.Addr(), hbone.Port)
 	rec.hboneAddr = endpoint.String()
+	var from netip.Addr
+	if p.cfg.HBONEFromPod != nil && p.cfg.HBONEFromPod(req.Src.Addr()) {
+		from = req.Src.Addr()
+	}
 	ctx, cancel := context.WithTimeout(p.ctx, p.cfg.ConnectTimeout)
 	up, err := p.cfg.HBONE.Dial(ctx, hbone.DialRequest{
+		From:        from,
 		Source:      rec.srcW.Identity,
 		Destination: rec.dstW.Identity,
 		Endpoint:    endpoint,

@@ -90,6 +90,11 @@ type Config struct {
 	// (built before the proxy and started with its HandleTCP after New).
 	// Nil: connections that need it are refused.
 	Netstack Dialer
+	// HBONEFromPod, if set, reports whether an outbound HBONE connection
+	// of the local pod address src is dialled from src
+	// (hbone.DialRequest.From, the HBONE client's DialFrom) rather than
+	// from the node's address. Nil: the node's.
+	HBONEFromPod func(src netip.Addr) bool
 	// Inbound is the configuration of the HBONE server that terminates
 	// inbound tunnels: New builds it with the proxy as its Handler and
 	// OnRefusedConn (Server returns it). Without a TLS configuration there

@@ -32,6 +32,10 @@ type ClientConfig struct {
 	TLS func(src, dst spiffeid.ID) (*tls.Config, error)
 	// Dial opens TCP connections to HBONE endpoints; a net.Dialer if nil.
 	Dial func(ctx context.Context, network, addr string) (net.Conn, error)
+	// DialFrom opens a TCP connection to an HBONE endpoint from a given
+	// local address (the client pod's), for a DialRequest with From set;
+	// such a request fails if it is nil.
+	DialFrom func(ctx context.Context, from netip.Addr, endpoint netip.AddrPort) (net.Conn, error)
 	// MaxStreamsPerConn caps the streams of one pooled connection;
 	// MaxStreamsPerConn (100) if zero. The server's own limit applies too.
 	MaxStreamsPerConn int
@@ -55,6 +59,11 @@ type DialRequest struct {
 	Destination spiffeid.ID
 	// Endpoint is the HBONE endpoint, <destination pod IP>:15008.
 	Endpoint netip.AddrPort
+	// From, if valid, is the address the connection to Endpoint is
+	// dialled from (ClientConfig.DialFrom): the client pod's, as ztunnel
+	// does, so that the peer sees the client as the TCP source. It is
+	// part of the pool key.
+	From netip.Addr
 	// Target is the :authority, <destination pod IP>:<target port>.
 	Target netip.AddrPort
 	// Forwarded, Baggage and TraceParent are sent when not empty;
@@ -65,7 +74,7 @@ type DialRequest struct {
 }
 
 // Client opens HBONE streams over pooled connections. A pool is keyed by
-// (source identity, destination identity, endpoint); a connection carries at
+// (source identity, destination identity, local address, endpoint); a connection carries at
 // most MaxStreamsPerConn streams at a time (fewer if the server's
 // SETTINGS_MAX_CONCURRENT_STREAMS says so) and a new one is opened when all
 // are full. It is safe for concurrent use.
@@ -81,6 +90,7 @@ type Client struct {
 
 type poolKey struct {
 	src, dst spiffeid.ID
+	from     netip.Addr
 	endpoint netip.AddrPort
 }
 
@@ -144,6 +154,10 @@ func (c *Client) Dial(ctx context.Context, r DialRequest) (*Conn, error) {
 		return nil, fmt.Errorf("hbone: dial %s: endpoint %s is not ip:port", r.Target, r.Endpoint)
 	case r.Source.IsZero() || r.Destination.IsZero():
 		return nil, fmt.Errorf("hbone: dial %s: source and destination identities are required", r.Target)
+	case r.From.IsValid() && r.From.Unmap().Is4() != r.Endpoint.Addr().Unmap().Is4():
+		return nil, fmt.Errorf("hbone: dial %s: endpoint %s and local address %s are of different families", r.Target, r.Endpoint, r.From)
+	case r.From.IsValid() && c.cfg.DialFrom == nil:
+		return nil, fmt.Errorf("hbone: dial %s from %s: the client cannot dial from an address", r.Target, r.From)
 	}
 	if err := r.Baggage.validate(); err != nil {
 		return nil, fmt.Errorf("hbone: dial %s: %w", r.Target, err)
@@ -154,7 +168,7 @@ func (c *Client) Dial(ctx context.Context, r DialRequest) (*Conn, error) {
 		}
 	}
 	fields := requestFields(r)
-	key := poolKey{src: r.Source, dst: r.Destination, endpoint: r.Endpoint}
+	key := poolKey{src: r.Source, dst: r.Destination, from: r.From.Unmap(), endpoint: r.Endpoint}
 	var avoid *poolConn
 	for attempt := 0; ; attempt++ {
 		pc, err := c.reserve(ctx, key, avoid)
@@ -369,8 +383,16 @@ func (c *Client) connect(ctx context.Context, key poolKey) (*poolConn, error) {
 	}
 	cfg = cfg.Clone()
 	cfg.NextProtos = []string{"h2"}
-	raw, err := c.cfg.Dial(ctx, "tcp", key.endpoint.String())
+	var raw net.Conn
+	if key.from.IsValid() {
+		raw, err = c.cfg.DialFrom(ctx, key.from, key.endpoint)
+	} else {
+		raw, err = c.cfg.Dial(ctx, "tcp", key.endpoint.String())
+	}
 	if err != nil {
+		if key.from.IsValid() {
+			return nil, fmt.Errorf("hbone: connect to %s from %s: %w", key.endpoint, key.from, err)
+		}
 		return nil, fmt.Errorf("hbone: connect to %s: %w", key.endpoint, err)
 	}
 	batch := newBatchConn(raw)

@@ -1013,3 +1013,45 @@ func BenchmarkStreamDownload(b *testing.B) {
 		b.Fatalf("client got %d bytes, %v; want %d", n, err, b.N*len(chunk))
 	}
 }
+
+// TestDialFrom: a request with From is dialled by DialFrom from that
+// address (the server sees it as the peer address) and pooled apart from
+// another From of the same identities; without DialFrom it is refused.
+func TestDialFrom(t *testing.T) {
+	got := make(chan *Request, 4)
+	f := newFixture(t, HandlerFunc(func(ctx context.Context, req *Request) (net.Conn, error) {
+		got <- req
+		return dialHandler(ctx, req)
+	}), func(_ *ServerConfig, c *ClientConfig) {
+		c.DialFrom = func(ctx context.Context, from netip.Addr, endpoint netip.AddrPort) (net.Conn, error) {
+			d := net.Dialer{LocalAddr: net.TCPAddrFromAddrPort(netip.AddrPortFrom(from, 0))}
+			return d.DialContext(ctx, "tcp", endpoint.String())
+		}
+	})
+	up := newUpstream(t)
+	ctx := ctxTimeout(t, 5*time.Second)
+	for _, from := range []netip.Addr{netip.MustParseAddr("127.0.0.2"), netip.MustParseAddr("127.0.0.3"), netip.MustParseAddr("127.0.0.2")} {
+		c, err := f.cl.Dial(ctx, DialRequest{Source: f.client, Destination: f.server, Endpoint: f.endpoint, Target: up.addr, From: from})
+		if err != nil {
+			t.Fatalf("Dial from %s: %v", from, err)
+		}
+		defer c.Close()
+		if req := <-got; req.PeerAddr.Addr() != from {
+			t.Errorf("server saw peer %s, want %s", req.PeerAddr, from)
+		}
+	}
+	if s := f.cl.Stats(); s.Keys != 2 || s.Conns != 2 || s.Streams != 3 {
+		t.Errorf("stats %+v, want 2 keys (one per local address), 2 connections, 3 streams", s)
+	}
+	if _, err := f.cl.Dial(ctx, DialRequest{Source: f.client, Destination: f.server, Endpoint: f.endpoint, Target: up.addr, From: netip.MustParseAddr("::1")}); err == nil {
+		t.Error("a dial from an IPv6 address to an IPv4 endpoint was not refused")
+	}
+	c2, err := NewClient(ClientConfig{TLS: f.clientTLS})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c2.Close()
+	if _, err := c2.Dial(ctx, DialRequest{Source: f.client, Destination: f.server, Endpoint: f.endpoint, Target: up.addr, From: netip.MustParseAddr("127.0.0.2")}); err == nil {
+		t.Error("a client without DialFrom dialled from an address")
+	}
+}

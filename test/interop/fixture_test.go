@@ -274,14 +274,17 @@ type istioServer struct {
 // CONNECT handler: the request as net/http parsed it and the client's
 // identity as Istio reads it from the verified certificate.
 type istioRequest struct {
-	Method    string
-	Host      string
-	Proto     string
-	Header    http.Header
-	PeerID    string
-	TLSVer    uint16
-	ALPN      string
-	ServerSNI string
+	// RemoteAddr is the TCP peer of the HBONE connection, as Istio's
+	// server (and ztunnel) sees the client.
+	RemoteAddr string
+	Method     string
+	Host       string
+	Proto      string
+	Header     http.Header
+	PeerID     string
+	TLSVer     uint16
+	ALPN       string
+	ServerSNI  string
 }
 
 type connKey struct{}
@@ -297,7 +300,7 @@ func startIstioServer(t *testing.T, m *mesh, network, addr string) *istioServer 
 	is := &istioServer{reqs: make(chan istioRequest, 64)}
 	connect := srv.Handler
 	srv.Handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		ir := istioRequest{Method: r.Method, Host: r.Host, Proto: r.Proto, Header: r.Header.Clone()}
+		ir := istioRequest{RemoteAddr: r.RemoteAddr, Method: r.Method, Host: r.Host, Proto: r.Proto, Header: r.Header.Clone()}
 		// net/http sets r.TLS only for :scheme https, which CONNECT lacks.
 		if tc, ok := r.Context().Value(connKey{}).(*tls.Conn); ok {
 			cs := tc.ConnectionState()

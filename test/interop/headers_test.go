@@ -14,6 +14,7 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"go.opentelemetry.io/otel/baggage"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
@@ -21,6 +22,7 @@ import (
 	"golang.org/x/net/http2/hpack"
 	istiohbone "istio.io/istio/pkg/hbone"
 
+	"github.com/meshtun/meshtun/mesh/identity"
 	"github.com/meshtun/meshtun/protocols/hbone"
 )
 
@@ -393,6 +395,54 @@ func (cs *captureServer) serve(t *testing.T, c net.Conn) {
 				EndHeaders:    true,
 			})
 			cs.got <- cap
+		}
+	}
+}
+
+// Istio's server (ztunnel's behaviour: the TCP peer is the source) sees
+// the address our client dialled from (hbone.DialRequest.From, what a
+// meshtun node sets to the client pod's address), and the forwarded
+// header is sent alongside, unchanged.
+func TestPeerAddressOurClientAtIstioServer(t *testing.T) {
+	m := newMesh(t)
+	workload := startWorkload(t, "tcp", "127.0.0.1:0", echo)
+	is := startIstioServer(t, m, "tcp", "127.0.0.1:0")
+	client, err := hbone.NewClient(hbone.ClientConfig{
+		TLS: func(src, dst spiffeid.ID) (*tls.Config, error) {
+			return identity.ClientTLS(m.src.Workload(src), dst), nil
+		},
+		DialFrom: func(ctx context.Context, from netip.Addr, ep netip.AddrPort) (net.Conn, error) {
+			d := net.Dialer{LocalAddr: net.TCPAddrFromAddrPort(netip.AddrPortFrom(from, 0))}
+			return d.DialContext(ctx, "tcp", ep.String())
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer client.Close()
+	for _, from := range []netip.Addr{{}, netip.MustParseAddr("127.0.0.2")} {
+		r := dialReq(is.addr, workload, istioServerID)
+		r.From = from
+		r.Forwarded = hbone.Forwarded{For: netip.MustParseAddrPort("127.0.0.2:45678")}
+		conn, err := ourDial(t, client, r)
+		if err != nil {
+			t.Fatalf("our client from %v via Istio's server: %v", from, err)
+		}
+		conn.Close()
+		req := is.next(t)
+		peer, err := netip.ParseAddrPort(req.RemoteAddr)
+		if err != nil {
+			t.Fatalf("Istio's server's RemoteAddr %q: %v", req.RemoteAddr, err)
+		}
+		want := netip.MustParseAddr("127.0.0.1")
+		if from.IsValid() {
+			want = from
+		}
+		if peer.Addr() != want {
+			t.Errorf("dialled from %v: Istio's server sees the peer %s, want %s", from, peer, want)
+		}
+		if got := req.Header.Get("Forwarded"); got != `for="127.0.0.2:45678"` {
+			t.Errorf("forwarded at Istio's server: %q", got)
 		}
 	}
 }
