@@ -285,7 +285,11 @@ func (n *node) configDump(w http.ResponseWriter, r *http.Request) {
 // readOnlyLogging is /logging on the TCP admin address: GET reads the
 // levels; changing them is refused with where to do it.
 func (n *node) readOnlyLogging(w http.ResponseWriter, r *http.Request) {
-	if r.Method != http.MethodGet {
+	// A POST that changes nothing (`istioctl ztunnel-config log` without
+	// --level sends POST /logging?level=) is a read.
+	q := r.URL.Query()
+	noChange := (r.Method == http.MethodPost || r.Method == http.MethodPut) && q.Get("level") == "" && q.Get("access") == ""
+	if r.Method != http.MethodGet && !noChange {
 		msg := "the log levels are changed on the admin socket only (root): meshtun admin -X POST '/logging?level=…'"
 		if n.cfg.AdminSocket != "" {
 			msg += " (socket " + n.cfg.AdminSocket + ")"
