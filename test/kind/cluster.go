@@ -205,11 +205,27 @@ func clusterConfig(path string) (string, error) {
 		keep = append(keep, l)
 	}
 	return strings.Join(keep, "\n") + `
-# added by test/kind: this host is cgroup v1.
+# added by test/kind: this host is cgroup v1, and a shared 2-core machine
+# (kubeadm's default 1-4 minute waits ran out while the API server
+# started: "could not bootstrap the admin user").
 kubeadmConfigPatches:
   - |
     kind: KubeletConfiguration
     failCgroupV1: false
+  - |
+    kind: InitConfiguration
+    timeouts:
+      controlPlaneComponentHealthCheck: 10m0s
+      kubeletHealthCheck: 10m0s
+      kubernetesAPICall: 5m0s
+  - |
+    kind: JoinConfiguration
+    timeouts:
+      controlPlaneComponentHealthCheck: 10m0s
+      kubeletHealthCheck: 10m0s
+      kubernetesAPICall: 5m0s
+      discovery: 10m0s
+      tlsBootstrap: 10m0s
 `, nil
 }
 
