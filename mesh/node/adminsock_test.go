@@ -40,6 +40,8 @@ func TestAdminChild(t *testing.T) {
 		url    string
 	}{
 		{"tcp-post-logging", tcp, http.MethodPost, "http://" + os.Getenv("ADMIN_TCP") + "/logging?level=error"},
+		{"tcp-post-logging-ztunnel", tcp, http.MethodPost, "http://" + os.Getenv("ADMIN_TCP") + "/logging?level=access:off"},
+		{"tcp-post-logging-read", tcp, http.MethodPost, "http://" + os.Getenv("ADMIN_TCP") + "/logging?level="},
 		{"tcp-pprof-index", tcp, http.MethodGet, "http://" + os.Getenv("ADMIN_TCP") + "/debug/pprof/"},
 		{"tcp-pprof-cmdline", tcp, http.MethodGet, "http://" + os.Getenv("ADMIN_TCP") + "/debug/pprof/cmdline"},
 		{"sock-post-logging", sock, http.MethodPost, "http://admin/logging?level=error"},
@@ -154,6 +156,14 @@ func TestAdminPrivilegedEndpointsOnlyForRoot(t *testing.T) {
 		t.Helper()
 		if res["tcp-post-logging"] != "status 403" {
 			t.Errorf("POST /logging on TCP as uid 65534: %s, want 403", res["tcp-post-logging"])
+		}
+		if res["tcp-post-logging-ztunnel"] != "status 403" {
+			t.Errorf("POST /logging?level=access:off on TCP as uid 65534: %s, want 403", res["tcp-post-logging-ztunnel"])
+		}
+		// istioctl ztunnel-config log reads the levels with a POST that
+		// sets nothing.
+		if res["tcp-post-logging-read"] != "status 200" {
+			t.Errorf("POST /logging?level= on TCP as uid 65534: %s, want 200 (a read)", res["tcp-post-logging-read"])
 		}
 		for _, k := range []string{"tcp-pprof-index", "tcp-pprof-cmdline"} {
 			if res[k] != "status 404" {

@@ -285,7 +285,11 @@ func (n *node) configDump(w http.ResponseWriter, r *http.Request) {
 // readOnlyLogging is /logging on the TCP admin address: GET reads the
 // levels; changing them is refused with where to do it.
 func (n *node) readOnlyLogging(w http.ResponseWriter, r *http.Request) {
-	if r.Method != http.MethodGet {
+	// A POST that changes nothing (`istioctl ztunnel-config log` without
+	// --level sends POST /logging?level=) is a read.
+	q := r.URL.Query()
+	noChange := (r.Method == http.MethodPost || r.Method == http.MethodPut) && q.Get("level") == "" && q.Get("access") == ""
+	if r.Method != http.MethodGet && !noChange {
 		msg := "the log levels are changed on the admin socket only (root): meshtun admin -X POST '/logging?level=…'"
 		if n.cfg.AdminSocket != "" {
 			msg += " (socket " + n.cfg.AdminSocket + ")"
@@ -309,29 +313,93 @@ func clipQuery(s string) string {
 	return s
 }
 
+// parseLogLevels reads ?level= in meshtun's form (one level) and in
+// ztunnel's, which istioctl ztunnel-config log sends: comma-separated
+// items, each a level for every logger or <logger>:<level> (or =). meshtun
+// has one level and the access log, so the only logger it takes is
+// "access": its records are at info, as ztunnel's are, so access at
+// trace, debug or info turns the access log on and at warn, error or off
+// turns it off (access is then "on" or "off", else ""). A level for the
+// node as a whole is trace, debug, info, warn or error (set true); "off"
+// is refused there: the node's own warnings stay on record.
+func parseLogLevels(arg string) (lvl zerolog.Level, set bool, access string, err error) {
+	if arg == "" {
+		return zerolog.NoLevel, false, "", nil
+	}
+	items := strings.Split(arg, ",")
+	if len(items) > 8 {
+		return zerolog.NoLevel, false, "", fmt.Errorf("level %q: at most 8 items", clipQuery(arg))
+	}
+	for _, it := range items {
+		target, level, scoped := strings.Cut(it, ":")
+		if !scoped {
+			target, level, scoped = strings.Cut(it, "=")
+		}
+		if !scoped {
+			target, level = "", it
+		}
+		switch level { // ztunnel's names istioctl may pass through
+		case "warning":
+			level = "warn"
+		case "critical":
+			level = "error"
+		}
+		switch target {
+		case "":
+			l, perr := zerolog.ParseLevel(level)
+			if perr != nil || l < zerolog.TraceLevel || l > zerolog.ErrorLevel || level == "" {
+				return zerolog.NoLevel, false, "", fmt.Errorf("level %q: want trace, debug, info, warn or error (or access:<level>)", clipQuery(it))
+			}
+			lvl, set = l, true
+		case "access":
+			switch level {
+			case "trace", "debug", "info":
+				access = "on"
+			case "warn", "error", "off":
+				access = "off"
+			default:
+				return zerolog.NoLevel, false, "", fmt.Errorf("level %q: want access:trace|debug|info (on) or access:warn|error|off (off)", clipQuery(it))
+			}
+		default:
+			return zerolog.NoLevel, false, "", fmt.Errorf("level %q: logger %q unknown: meshtun has one level for the node and the access log (access:<level>)", clipQuery(it), clipQuery(target))
+		}
+	}
+	if !set {
+		lvl = zerolog.NoLevel
+	}
+	return lvl, set, access, nil
+}
+
 // logging reads (GET) or sets (POST, PUT) the log levels:
 // ?level=trace|debug|info|warn|error sets the node's level, and
-// ?access=on|off turns the access log on or off.
+// ?access=on|off turns the access log on or off; ?level= also takes
+// ztunnel's form (parseLogLevels).
 func (n *node) logging(w http.ResponseWriter, r *http.Request) {
 	switch r.Method {
 	case http.MethodGet:
 	case http.MethodPost, http.MethodPut:
 		q := r.URL.Query()
 		lvlArg, accessArg := q.Get("level"), q.Get("access")
-		var lvl zerolog.Level
-		if lvlArg != "" {
-			var err error
-			lvl, err = zerolog.ParseLevel(lvlArg)
-			if err != nil || lvl < zerolog.TraceLevel || lvl > zerolog.ErrorLevel {
-				http.Error(w, fmt.Sprintf("level %q: want trace, debug, info, warn or error", clipQuery(lvlArg)), http.StatusBadRequest)
-				return
-			}
+		lvl, lvlSet, levelAccess, err := parseLogLevels(lvlArg)
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
 		}
 		switch accessArg {
 		case "", "on", "off":
 		default:
 			http.Error(w, fmt.Sprintf("access %q: want on or off", clipQuery(accessArg)), http.StatusBadRequest)
 			return
+		}
+		if levelAccess != "" {
+			if accessArg != "" && accessArg != levelAccess {
+				http.Error(w, fmt.Sprintf("level %q and access %q disagree about the access log", clipQuery(lvlArg), accessArg), http.StatusBadRequest)
+				return
+			}
+			accessArg = levelAccess
+		}
+		if !lvlSet {
+			lvlArg = ""
 		}
 		if accessArg != "" && n.px == nil {
 			http.Error(w, "no proxy running: the access log cannot be changed", http.StatusServiceUnavailable)

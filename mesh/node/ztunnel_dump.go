@@ -16,6 +16,7 @@ import (
 
 	"github.com/meshtun/meshtun/mesh/identity"
 	"github.com/meshtun/meshtun/mesh/policy"
+	"github.com/meshtun/meshtun/mesh/proxy"
 	"github.com/meshtun/meshtun/mesh/registry"
 )
 
@@ -34,6 +35,69 @@ type ztDump struct {
 	Services     []ztService  `json:"services"`
 	Policies     []ztPolicy   `json:"policies"`
 	Certificates []ztCerts    `json:"certificates"`
+	// WorkloadState is ztunnel's per local workload state with its open
+	// connections, by workload UID (istioctl ztunnel-config connections).
+	WorkloadState map[string]ztWorkloadState `json:"workloadState"`
+}
+
+type ztWorkloadState struct {
+	Connections ztConnections  `json:"connections"`
+	Info        ztWorkloadInfo `json:"info"`
+}
+
+type ztConnections struct {
+	Inbound  []ztConn `json:"inbound"`
+	Outbound []ztConn `json:"outbound"`
+}
+
+type ztConn struct {
+	Src         string `json:"src"`
+	OriginalDst string `json:"originalDst"`
+	ActualDst   string `json:"actualDst"`
+	Protocol    string `json:"protocol"`
+}
+
+type ztWorkloadInfo struct {
+	Name           string `json:"name"`
+	Namespace      string `json:"namespace"`
+	TrustDomain    string `json:"trustDomain"`
+	ServiceAccount string `json:"serviceAccount"`
+}
+
+// maxListedConns bounds the connections /config_dump lists.
+const maxListedConns = 10000
+
+// ztWorkloadStates is workloadState: every mesh workload of node, with
+// the open connections it is an end of (inbound: its server side;
+// outbound: its client side), as ztunnel lists them.
+func ztWorkloadStates(snap *registry.Snapshot, node string, conns []proxy.OpenConn) map[string]ztWorkloadState {
+	states := map[string]ztWorkloadState{}
+	for _, w := range snap.Workloads {
+		if !w.InMesh || w.Node != node {
+			continue
+		}
+		states[ztUID(w)] = ztWorkloadState{
+			Connections: ztConnections{Inbound: []ztConn{}, Outbound: []ztConn{}},
+			Info: ztWorkloadInfo{Name: w.Name, Namespace: w.Namespace, TrustDomain: w.Identity.TrustDomain().Name(),
+				ServiceAccount: w.ServiceAccount},
+		}
+	}
+	for _, c := range conns {
+		zc := ztConn{Src: c.Src.String(), OriginalDst: c.Dst.String(), ActualDst: c.Actual, Protocol: c.Protocol}
+		if w := c.DstWorkload; c.Direction == "inbound" && w != nil {
+			if st, ok := states[ztUID(w)]; ok {
+				st.Connections.Inbound = append(st.Connections.Inbound, zc)
+				states[ztUID(w)] = st
+			}
+		}
+		if w := c.SrcWorkload; c.Direction == "outbound" && w != nil {
+			if st, ok := states[ztUID(w)]; ok {
+				st.Connections.Outbound = append(st.Connections.Outbound, zc)
+				states[ztUID(w)] = st
+			}
+		}
+	}
+	return states
 }
 
 type ztWorkload struct {
@@ -416,7 +480,13 @@ func ztCertOf(c *x509.Certificate) ztCert {
 
 // writeZtunnelDump answers /config_dump in ztunnel's shape.
 func (n *node) writeZtunnelDump(w http.ResponseWriter) {
-	d := ztunnelDump(n.reg.Load(), n.svids)
+	snap := n.reg.Load()
+	d := ztunnelDump(snap, n.svids)
+	var conns []proxy.OpenConn
+	if n.px != nil {
+		conns = n.px.OpenConns(maxListedConns)
+	}
+	d.WorkloadState = ztWorkloadStates(snap, n.cfg.Name, conns)
 	w.Header().Set("Content-Type", "application/json")
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")

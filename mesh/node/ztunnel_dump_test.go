@@ -15,6 +15,7 @@ import (
 
 	"github.com/meshtun/meshtun/mesh/identity"
 	"github.com/meshtun/meshtun/mesh/policy"
+	"github.com/meshtun/meshtun/mesh/proxy"
 	"github.com/meshtun/meshtun/mesh/registry"
 )
 
@@ -181,5 +182,43 @@ func TestZtunnelDumpRules(t *testing.T) {
 		`],[]]`
 	if string(got) != want {
 		t.Errorf("rules:\n got %s\nwant %s", got, want)
+	}
+}
+
+// TestZtunnelWorkloadState: workloadState lists the node's mesh workloads
+// (and only them) with the open connections each is an end of, inbound
+// on the server's entry and outbound on the client's, as istioctl
+// ztunnel-config connections reads them.
+func TestZtunnelWorkloadState(t *testing.T) {
+	td := spiffeid.RequireTrustDomainFromString("cluster.local")
+	wl := func(name, node, ip string) *registry.Workload {
+		return &registry.Workload{Name: name, Namespace: "ns", ServiceAccount: name, Node: node, InMesh: true,
+			Addresses: []netip.Addr{netip.MustParseAddr(ip)}, UID: "Kubernetes//Pod/ns/" + name}
+	}
+	web, client, far := wl("web", "n1", "10.0.0.1"), wl("client", "n1", "10.0.0.2"), wl("far", "n2", "10.0.1.1")
+	snap, err := registry.Build(registry.Model{TrustDomain: td, Workloads: []*registry.Workload{web, client, far}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ap := netip.MustParseAddrPort
+	states := ztWorkloadStates(snap, "n1", []proxy.OpenConn{
+		{Direction: "inbound", Src: ap("10.0.1.1:40000"), Dst: ap("10.0.0.1:8080"), Actual: "10.0.0.1:8080", Protocol: "HBONE",
+			SrcWorkload: far, DstWorkload: web},
+		{Direction: "outbound", Src: ap("10.0.0.2:40001"), Dst: ap("10.96.0.9:80"), Actual: "10.0.1.1:15008", Protocol: "HBONE",
+			SrcWorkload: client, DstWorkload: far},
+	})
+	b, _ := json.Marshal(states)
+	if len(states) != 2 {
+		t.Fatalf("workloadState %s: want web and client (n1's), not far", b)
+	}
+	w := states["Kubernetes//Pod/ns/web"]
+	if w.Info.Name != "web" || w.Info.TrustDomain != "cluster.local" || len(w.Connections.Inbound) != 1 || len(w.Connections.Outbound) != 0 ||
+		w.Connections.Inbound[0] != (ztConn{Src: "10.0.1.1:40000", OriginalDst: "10.0.0.1:8080", ActualDst: "10.0.0.1:8080", Protocol: "HBONE"}) {
+		t.Errorf("web's state %+v", w)
+	}
+	c := states["Kubernetes//Pod/ns/client"]
+	if len(c.Connections.Outbound) != 1 || len(c.Connections.Inbound) != 0 ||
+		c.Connections.Outbound[0] != (ztConn{Src: "10.0.0.2:40001", OriginalDst: "10.96.0.9:80", ActualDst: "10.0.1.1:15008", Protocol: "HBONE"}) {
+		t.Errorf("client's state %+v", c)
 	}
 }

@@ -65,6 +65,9 @@ type tracked struct {
 	// from is the local workload that opened the connection (outbound),
 	// if any: closed if it becomes refused.
 	from netip.Addr
+	// rec describes the connection for the admin views (OpenConns); nil
+	// for connections tracked without one.
+	rec *record
 }
 
 func (t *tracker) add(az *authorized, abort func()) *tracked {
@@ -72,7 +75,11 @@ func (t *tracker) add(az *authorized, abort func()) *tracked {
 }
 
 func (t *tracker) addFrom(az *authorized, from netip.Addr, abort func()) *tracked {
-	c := &tracked{az: az, abort: abort, from: from}
+	return t.track(az, from, nil, abort)
+}
+
+func (t *tracker) track(az *authorized, from netip.Addr, rec *record, abort func()) *tracked {
+	c := &tracked{az: az, abort: abort, from: from, rec: rec}
 	t.mu.Lock()
 	if t.conns == nil {
 		t.conns = make(map[*tracked]struct{})
@@ -176,4 +183,49 @@ func (p *Proxy) StopNew() { p.draining.Store(true) }
 func (p *Proxy) Open() int {
 	n, _ := p.open.len()
 	return n
+}
+
+// OpenConn is one open relayed connection, as the admin views list it
+// (ztunnel's workloadState connections).
+type OpenConn struct {
+	Direction string         // "inbound" or "outbound"
+	Src       netip.AddrPort // the client
+	Dst       netip.AddrPort // the address the client connected to (a service VIP, or the workload)
+	// Actual is where the connection was carried: the HBONE endpoint of
+	// an outbound connection through HBONE, the endpoint chosen for a
+	// VIP, else Dst.
+	Actual   string
+	Protocol string // "HBONE" (mutual TLS, or in-proxy between two mesh workloads) or "TCP"
+	// SrcWorkload and DstWorkload are the ends as the model knew them
+	// when the connection opened (nil if unknown).
+	SrcWorkload, DstWorkload *registry.Workload
+}
+
+// OpenConns lists the open relayed connections (at most max; 0: all).
+func (p *Proxy) OpenConns(max int) []OpenConn {
+	p.open.mu.Lock()
+	defer p.open.mu.Unlock()
+	var out []OpenConn
+	for c := range p.open.conns {
+		if c.rec == nil {
+			continue
+		}
+		if max > 0 && len(out) >= max {
+			break
+		}
+		r := c.rec
+		oc := OpenConn{Direction: r.direction, Src: r.src, Dst: r.dst, Actual: r.dst.String(), Protocol: "TCP",
+			SrcWorkload: r.srcW, DstWorkload: r.dstW}
+		switch {
+		case r.direction == "outbound" && r.hboneAddr != "":
+			oc.Actual = r.hboneAddr
+		case r.target != "":
+			oc.Actual = r.target
+		}
+		if r.secure {
+			oc.Protocol = "HBONE"
+		}
+		out = append(out, oc)
+	}
+	return out
 }

@@ -119,7 +119,7 @@ func (p *Proxy) connect(ctx context.Context, r *hbone.Request) (net.Conn, error)
 	rec.opened()
 	// The HBONE server relays up and reports what moved to its meter
 	// (relay.Metered), also when it never relays it (relay.Abandon).
-	t := p.open.add(az, func() { up.Abort() })
+	t := p.open.track(az, netip.Addr{}, rec, func() { up.Abort() })
 	return &inboundConn{Conn: up, meter: relay.Meter{AToB: rec.sent, BToA: rec.received, Done: func(r relay.Result) {
 		p.open.remove(t)
 		rec.done(r.AToB, r.BToA, r.Reset)

@@ -385,7 +385,7 @@ func (p *Proxy) relayAccepted(rec *record, req *stack.TCPRequest, up net.Conn, a
 	if rec.direction == "outbound" && p.local(rec.srcW) {
 		from = rec.src.Addr()
 	}
-	t := p.open.addFrom(authz, from, func() { relay.Abort(up) })
+	t := p.open.track(authz, from, rec, func() { relay.Abort(up) })
 	down, err := req.Accept()
 	if err != nil {
 		relay.Abort(up)

@@ -140,7 +140,7 @@ func Create(ctx context.Context, logf Logf, t Toolchain, o Options) (*Cluster, e
 	if err := c.useNodeAddress(ctx); err != nil {
 		return c, err
 	}
-	nodes, err := c.Nodes(ctx)
+	nodes, err := c.allNodes(ctx)
 	if err != nil {
 		return c, err
 	}
@@ -155,6 +155,34 @@ func Create(ctx context.Context, logf Logf, t Toolchain, o Options) (*Cluster, e
 	}
 	logf("cluster %s ready after %s", c.Name, time.Since(start).Round(time.Second))
 	return c, nil
+}
+
+// allNodes waits until every node container of the cluster has its Node
+// object, and returns them: on a loaded machine kind create returned
+// while the workers' kubelets registered minutes later, and the pod
+// network written for the control plane alone left the workers without
+// routes.
+func (c *Cluster) allNodes(ctx context.Context) ([]Node, error) {
+	out, err := c.Podman(ctx, "ps", "--filter", "label=io.x-k8s.kind.cluster="+c.Name, "--format", "{{.Names}}")
+	if err != nil {
+		return nil, err
+	}
+	want := len(strings.Fields(string(out)))
+	deadline := time.Now().Add(10 * time.Minute)
+	for {
+		nodes, err := c.Nodes(ctx)
+		if err == nil && len(nodes) >= want {
+			return nodes, nil
+		}
+		if time.Now().After(deadline) {
+			return nil, fmt.Errorf("cluster %s: %d Node objects for %d node containers after 10 min (%v)", c.Name, len(nodes), want, err)
+		}
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(2 * time.Second): // the API has no signal for "registered" we can block on here
+		}
+	}
 }
 
 // useNodeAddress points the kubeconfig at the control-plane node's IPv4
@@ -205,11 +233,27 @@ func clusterConfig(path string) (string, error) {
 		keep = append(keep, l)
 	}
 	return strings.Join(keep, "\n") + `
-# added by test/kind: this host is cgroup v1.
+# added by test/kind: this host is cgroup v1, and a shared 2-core machine
+# (kubeadm's default 1-4 minute waits ran out while the API server
+# started: "could not bootstrap the admin user").
 kubeadmConfigPatches:
   - |
     kind: KubeletConfiguration
     failCgroupV1: false
+  - |
+    kind: InitConfiguration
+    timeouts:
+      controlPlaneComponentHealthCheck: 10m0s
+      kubeletHealthCheck: 10m0s
+      kubernetesAPICall: 5m0s
+  - |
+    kind: JoinConfiguration
+    timeouts:
+      controlPlaneComponentHealthCheck: 10m0s
+      kubeletHealthCheck: 10m0s
+      kubernetesAPICall: 5m0s
+      discovery: 10m0s
+      tlsBootstrap: 10m0s
 `, nil
 }
 

@@ -69,6 +69,12 @@ func run(m *testing.M) int {
 		logf("FAIL: %v", err)
 		return 1
 	}
+	release, err := kind.ClusterSlot(ctx, logf)
+	if err != nil {
+		logf("FAIL: %v", err)
+		return 1
+	}
+	defer release() // after the cluster's deletion below
 	start := time.Now()
 	c, err := kind.Up(ctx, logf, name, dir)
 	defer func() {

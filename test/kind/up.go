@@ -2,11 +2,13 @@ package kind
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"time"
 )
 
@@ -33,6 +35,24 @@ func Prerequisites() error {
 // DaemonSet is ready on every node. On error the returned Cluster, if not
 // nil, is what must be deleted.
 func Up(ctx context.Context, logf Logf, name, dir string) (*Cluster, error) {
+	c, err := UpBare(ctx, logf, name, dir)
+	if err != nil {
+		return c, err
+	}
+	repo, err := RepoDir()
+	if err != nil {
+		return c, err
+	}
+	if err := c.InstallMeshtun(ctx, repo); err != nil {
+		return c, err
+	}
+	return c, nil
+}
+
+// UpBare is Up without a mesh: the cluster with meshtun:dev and the probe
+// image loaded on every node, nothing of meshtun applied (test/kind/istio
+// installs istiod and deploy/istio instead).
+func UpBare(ctx context.Context, logf Logf, name, dir string) (*Cluster, error) {
 	if err := Prerequisites(); err != nil {
 		return nil, err
 	}
@@ -91,9 +111,6 @@ func Up(ctx context.Context, logf Logf, name, dir string) (*Cluster, error) {
 		}
 	}
 	logf("images loaded: %s", time.Since(start).Round(time.Second))
-	if err := c.InstallMeshtun(ctx, repo); err != nil {
-		return c, err
-	}
 	return c, nil
 }
 
@@ -130,4 +147,55 @@ func Attach(ctx context.Context, logf Logf, name, dir string) (*Cluster, error) 
 	}
 	c.Bridge = strings.TrimSpace(string(out))
 	return c, nil
+}
+
+// ClusterSlot waits until no other test suite of this user holds a kind
+// cluster of its own (an flock on CacheDir()/cluster-slot.lock) and
+// takes the slot; release gives it back once the suite's cluster is
+// deleted. `go test ./...` runs test/kind and test/kind/istio at once
+// (-p); two three-node clusters on a two-core machine made kubeadm's API
+// server miss its start, so the suites take turns for their clusters
+// (builds still overlap).
+func ClusterSlot(ctx context.Context, logf Logf) (release func(), err error) {
+	cache, err := CacheDir()
+	if err != nil {
+		return nil, err
+	}
+	if err := os.MkdirAll(cache, 0o755); err != nil {
+		return nil, err
+	}
+	start := time.Now()
+	release, err = flockWait(ctx, filepath.Join(cache, "cluster-slot.lock"))
+	if err != nil {
+		return nil, fmt.Errorf("wait for the kind cluster slot: %w", err)
+	}
+	if d := time.Since(start); d > time.Second {
+		logf("waited %s for another suite's kind cluster", d.Round(time.Second))
+	}
+	return release, nil
+}
+
+// flockWait takes an exclusive flock on path (test/kube's build lock is
+// the same kind of lock on the same file).
+func flockWait(ctx context.Context, path string) (func(), error) {
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_RDWR, 0o644)
+	if err != nil {
+		return nil, err
+	}
+	for {
+		err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
+		if err == nil {
+			return func() { syscall.Flock(int(f.Fd()), syscall.LOCK_UN); f.Close() }, nil
+		}
+		if !errors.Is(err, syscall.EWOULDBLOCK) {
+			f.Close()
+			return nil, fmt.Errorf("lock %s: %w", path, err)
+		}
+		select {
+		case <-ctx.Done():
+			f.Close()
+			return nil, ctx.Err()
+		case <-time.After(time.Second):
+		}
+	}
 }

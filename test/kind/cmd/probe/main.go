@@ -25,7 +25,7 @@ var quiet bool
 func main() {
 	log.SetFlags(log.Ltime | log.Lmicroseconds)
 	if len(os.Args) < 2 {
-		log.Fatal("usage: probe serve|send|sleep")
+		log.Fatal("usage: probe serve|send|hold|loop|sleep")
 	}
 	fs := flag.NewFlagSet(os.Args[1], flag.ExitOnError)
 	switch os.Args[1] {
@@ -51,6 +51,15 @@ func main() {
 		fs.Parse(os.Args[2:])
 		quiet = true
 		loop(*to, *msg, *dur, *every)
+	case "hold":
+		to := fs.String("to", "", "host:port")
+		msg := fs.String("msg", "", "what to send")
+		dur := fs.Duration("for", 30*time.Second, "how long to keep the connection open after the echo")
+		fs.Parse(os.Args[2:])
+		if err := hold(*to, *msg, *dur); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
 	case "sleep":
 		// Until the kubelet stops the pod (a bare select{} is a deadlock
 		// to the runtime when nothing else runs).
@@ -84,6 +93,30 @@ func serve(tcpAddr, httpAddr string) {
 			log.Printf("echoed %d bytes to %s (%v)", n, c.RemoteAddr(), err)
 		}()
 	}
+}
+
+// hold sends msg to to, reads its echo and keeps the connection open for
+// d (a connection a proxy's admin view can list) before closing it.
+func hold(to, msg string, d time.Duration) error {
+	c, err := net.DialTimeout("tcp", to, 10*time.Second)
+	if err != nil {
+		return fmt.Errorf("dial %s: %w", to, err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(d + 10*time.Second))
+	if _, err := io.WriteString(c, msg); err != nil {
+		return fmt.Errorf("write to %s: %w", to, err)
+	}
+	got := make([]byte, len(msg))
+	if _, err := io.ReadFull(c, got); err != nil {
+		return fmt.Errorf("read from %s: %w", to, err)
+	}
+	if string(got) != msg {
+		return fmt.Errorf("%s echoed %q, sent %q", to, got, msg)
+	}
+	fmt.Println("connected")
+	time.Sleep(d)
+	return nil
 }
 
 // loop exchanges msg with to on a new connection every interval for d and
