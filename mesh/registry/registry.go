@@ -433,6 +433,9 @@ func Build(m Model) (*Snapshot, error) {
 		return nil, err
 	}
 	byNS := make(map[string][]*Workload)
+	// One identity per namespace and account: thousands of workloads
+	// share a few, and each would otherwise hold its own copy.
+	ids := make(map[WorkloadRef]spiffeid.ID)
 	for _, in := range m.Workloads {
 		w := *in
 		if w.Name == "" || w.Namespace == "" {
@@ -445,9 +448,14 @@ func Build(m Model) (*Snapshot, error) {
 		if w.ServiceAccount == "" {
 			w.ServiceAccount = "default" // as Kubernetes does
 		}
-		id, err := workloadid.New(m.TrustDomain, w.Namespace, w.ServiceAccount)
-		if err != nil {
-			return nil, fmt.Errorf("registry: workload %s: identity: %w", &w, err)
+		idKey := WorkloadRef{Namespace: w.Namespace, Name: w.ServiceAccount}
+		id, ok := ids[idKey]
+		if !ok {
+			id, err = workloadid.New(m.TrustDomain, w.Namespace, w.ServiceAccount)
+			if err != nil {
+				return nil, fmt.Errorf("registry: workload %s: identity: %w", &w, err)
+			}
+			ids[idKey] = id
 		}
 		w.Identity = id
 		if w.Refused != "" {

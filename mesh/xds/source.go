@@ -568,7 +568,7 @@ func (s *Source) convert(typeURL string, res *discoveryv3.Resource, next state) 
 			}
 			return fmt.Errorf("not an istio.workload.Address: %w", err)
 		}
-		e := addrEntry{version: res.Version}
+		e := addrEntry{}
 		switch {
 		case a.GetWorkload() != nil:
 			e.w, e.err = s.conv.workload(a.GetWorkload())
@@ -602,15 +602,15 @@ func (s *Source) convert(typeURL string, res *discoveryv3.Resource, next state) 
 		switch {
 		case err != nil && a.DryRun:
 			// Not enforced anyway: leaving it out denies nothing more.
-			next.authz[res.Name] = authzEntry{version: res.Version, err: err}
+			next.authz[res.Name] = authzEntry{err: err}
 			return fmt.Errorf("%w (a dry-run policy: not evaluated)", err)
 		case err != nil:
 			// Fail closed: the workloads it would apply to refuse every
 			// connection until istiod sends a version meshtun can apply.
-			next.authz[res.Name] = authzEntry{version: res.Version, p: s.conv.denyAll(&a), err: err}
+			next.authz[res.Name] = authzEntry{p: s.conv.denyAll(&a), err: err}
 			return fmt.Errorf("%w (denying every connection in its scope instead)", err)
 		}
-		next.authz[res.Name] = authzEntry{version: res.Version, p: p}
+		next.authz[res.Name] = authzEntry{p: p}
 	default:
 		return fmt.Errorf("unexpected type %s", typeURL)
 	}
