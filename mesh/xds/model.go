@@ -79,7 +79,7 @@ func (src *Source) model(st state) (registry.Model, origin) {
 		ref   registry.WorkloadRef
 		ports []portPair
 	}
-	members := map[string][]member{}
+	members := make(map[string][]member, len(names)-len(wnames))
 	for _, n := range wnames {
 		e := st.addrs[n]
 		w := e.w.w
@@ -104,7 +104,7 @@ func (src *Source) model(st state) (registry.Model, origin) {
 			members[ms.key] = append(members[ms.key], member{ref: ref, ports: ms.ports})
 		}
 	}
-	seen := map[registry.WorkloadRef]bool{}
+	seen := make(map[registry.WorkloadRef]bool, len(names)-len(wnames))
 	for _, n := range names {
 		e := st.addrs[n]
 		if e.s == nil {
