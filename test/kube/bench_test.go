@@ -3,7 +3,9 @@ package kube
 import (
 	"bufio"
 	"context"
+	"encoding/json"
 	"fmt"
+	"net/http"
 	"net/netip"
 	"os"
 	"slices"
@@ -249,15 +251,22 @@ type modelStatus struct {
 func waitModel(b testing.TB, n *cluster.Node, workloads, services int, timeout time.Duration) modelStatus {
 	b.Helper()
 	deadline := time.Now().Add(timeout)
+	hc := &http.Client{Timeout: time.Minute, Transport: &http.Transport{DialContext: n.Dial}}
 	for {
+		// The dump of a large model is slow to serve on a busy machine:
+		// a failed read is retried until the deadline.
 		var dump struct{ Source modelStatus }
-		getJSON(b, n, "http://127.0.0.1:15000/config_dump", &dump)
+		resp, err := hc.Get("http://127.0.0.1:15000/config_dump")
+		if err == nil {
+			err = json.NewDecoder(resp.Body).Decode(&dump)
+			resp.Body.Close()
+		}
 		st := dump.Source
-		if st.Workloads >= workloads && st.Services >= services {
+		if err == nil && st.Workloads >= workloads && st.Services >= services {
 			return st
 		}
 		if time.Now().After(deadline) {
-			b.Fatalf("model has %d workloads and %d services after %s, want %d and %d", st.Workloads, st.Services, timeout, workloads, services)
+			b.Fatalf("model has %d workloads and %d services after %s, want %d and %d (last read: %v)", st.Workloads, st.Services, timeout, workloads, services, err)
 		}
 		time.Sleep(500 * time.Millisecond)
 	}
