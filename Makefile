@@ -9,7 +9,7 @@ PKGS    := ./...
 # here, bench/noderun.BuildTags, deploy/image.
 GOTAGS  := grpcnotrace
 
-.PHONY: all build test unit e2e vet lint race fuzz bench bench-kube demo mutate clean image image-push image-test kind-up kind-down
+.PHONY: all build test unit e2e vet lint race fuzz bench bench-kube bench-istiod demo mutate clean image image-push image-test kind-up kind-down
 
 all: build
 
@@ -152,7 +152,18 @@ bench: build
 # an AuthorizationPolicy's creation to its enforcement (200 changes each).
 # About 5 minutes on a busy 2-core machine; docs/kubernetes.md has numbers.
 bench-kube:
-	cd test/kube && $(GO) test -run '^$$' -bench . -benchtime 1x -timeout 60m ./...
+	cd test/kube && $(GO) test -run '^$$' -bench 'BenchmarkKube$$' -benchtime 1x -timeout 60m ./...
+
+# bench-istiod runs test/kube's BenchmarkIstiodScale once (root; not part
+# of `make test`): meshtun nodes against a real istiod (delta xDS) whose
+# API server holds the same 10,000 pods and 2,000 services: the node's RSS
+# and live heap per workload, the xDS full state's size and the time from
+# a node's start to its first full model. It needs istiod's
+# pilot-discovery, built once into the cache (20 minutes or more cold).
+# MESHTUN_BENCH_PROFILE_DIR=<dir> keeps the nodes' heap profiles.
+# docs/decisions/2026-12-04-xds-memory.md has numbers.
+bench-istiod:
+	cd test/kube && $(GO) test -run '^$$' -bench 'BenchmarkIstiodScale$$' -benchtime 1x -timeout 90m ./...
 
 # image builds the container image without a container runtime or a base
 # image to pull (deploy/image, go-containerregistry): a static meshtun at

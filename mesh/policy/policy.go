@@ -45,7 +45,9 @@ package policy
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"net/netip"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -463,6 +465,14 @@ func NewSet(ps []*Policy, strict bool) (Set, error) {
 func (s Set) WithPorts(ports map[uint16]bool) Set {
 	s.ports = ports
 	return s
+}
+
+// Same reports whether s and o are the same policies, in the same
+// order, with the same peer-authentication modes: they decide every
+// request alike.
+func (s *Set) Same(o *Set) bool {
+	return slices.Equal(s.deny, o.deny) && slices.Equal(s.allow, o.allow) && slices.Equal(s.audit, o.audit) &&
+		s.strict == o.strict && maps.Equal(s.ports, o.ports)
 }
 
 // Strict reports whether the set requires a verified peer identity on

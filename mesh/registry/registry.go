@@ -383,6 +383,14 @@ type Model struct {
 	// config file names them); false: a node finds the links its
 	// workloads lack from their routes (Kubernetes, istiod).
 	LinksKnown bool
+	// Reuse, if set, is a previous snapshot whose workloads may be in
+	// Workloads again, unchanged (a source that keeps them rather than
+	// its own copies): such a workload is shared by the new snapshot
+	// instead of copied when what Build derives for it (its identity and
+	// policies) is the same, so that a source's model and its snapshots
+	// hold one copy of each workload, and a rebuild copies only what
+	// changed.
+	Reuse *Snapshot
 }
 
 // NewSnapshot builds a snapshot of workloads alone, without services or
@@ -433,42 +441,59 @@ func Build(m Model) (*Snapshot, error) {
 		return nil, err
 	}
 	byNS := make(map[string][]*Workload)
+	// One identity per namespace and account: thousands of workloads
+	// share a few, and each would otherwise hold its own copy.
+	ids := make(map[WorkloadRef]spiffeid.ID)
 	for _, in := range m.Workloads {
-		w := *in
-		if w.Name == "" || w.Namespace == "" {
-			return nil, fmt.Errorf("registry: workload %q: name and namespace are required", w.String())
+		if in.Name == "" || in.Namespace == "" {
+			return nil, fmt.Errorf("registry: workload %q: name and namespace are required", in.String())
 		}
-		ref := WorkloadRef{w.Namespace, w.Name}
+		ref := WorkloadRef{in.Namespace, in.Name}
 		if _, dup := s.byName[ref]; dup {
 			return nil, fmt.Errorf("registry: two workloads named %s", ref)
 		}
-		if w.ServiceAccount == "" {
-			w.ServiceAccount = "default" // as Kubernetes does
+		sa := in.ServiceAccount
+		if sa == "" {
+			sa = "default" // as Kubernetes does
 		}
-		id, err := workloadid.New(m.TrustDomain, w.Namespace, w.ServiceAccount)
-		if err != nil {
-			return nil, fmt.Errorf("registry: workload %s: identity: %w", &w, err)
+		idKey := WorkloadRef{Namespace: in.Namespace, Name: sa}
+		id, ok := ids[idKey]
+		if !ok {
+			id, err = workloadid.New(m.TrustDomain, in.Namespace, sa)
+			if err != nil {
+				return nil, fmt.Errorf("registry: workload %s: identity: %w", in, err)
+			}
+			ids[idKey] = id
 		}
-		w.Identity = id
-		if w.Refused != "" {
+		var authz policy.Set
+		if in.Refused != "" {
 			// Nothing reaches it: one policy that denies everything
 			// (which also makes every port of it intercepted).
-			w.authz, err = policy.NewSet([]*policy.Policy{refusedPolicy}, true)
+			authz, err = policy.NewSet([]*policy.Policy{refusedPolicy}, true)
 		} else {
-			w.authz, err = policy.NewSet(idx.forWorkload(w.Namespace, w.Labels), w.PeerAuth == Strict)
+			authz, err = policy.NewSet(idx.forWorkload(in.Namespace, in.Labels), in.PeerAuth == Strict)
 		}
 		if err != nil {
-			return nil, fmt.Errorf("registry: workload %s: %w", &w, err)
+			return nil, fmt.Errorf("registry: workload %s: %w", in, err)
 		}
-		if len(w.PortPeerAuth) > 0 && w.Refused == "" {
-			ports := make(map[uint16]bool, len(w.PortPeerAuth))
-			for p, m := range w.PortPeerAuth {
+		if len(in.PortPeerAuth) > 0 && in.Refused == "" {
+			ports := make(map[uint16]bool, len(in.PortPeerAuth))
+			for p, m := range in.PortPeerAuth {
 				ports[p] = m == Strict
 			}
-			w.authz = w.authz.WithPorts(ports)
+			authz = authz.WithPorts(ports)
 		}
-		wp := &w
-		for _, a := range w.Addresses {
+		var wp *Workload
+		if m.Reuse != nil && m.Reuse.byName[ref] == in && in.Identity == id && in.authz.Same(&authz) {
+			// A workload of m.Reuse given again, and built the same:
+			// shared, not copied.
+			wp = in
+		} else {
+			w := *in
+			w.ServiceAccount, w.Identity, w.authz = sa, id, authz
+			wp = &w
+		}
+		for _, a := range wp.Addresses {
 			a = a.Unmap()
 			if !a.IsValid() {
 				return nil, fmt.Errorf("registry: workload %s has an invalid address", wp)
@@ -480,7 +505,7 @@ func Build(m Model) (*Snapshot, error) {
 		}
 		s.byName[ref] = wp
 		s.Workloads = append(s.Workloads, wp)
-		byNS[w.Namespace] = append(byNS[w.Namespace], wp)
+		byNS[wp.Namespace] = append(byNS[wp.Namespace], wp)
 	}
 	vips := make(map[netip.Addr][]*Service, nVIPs)
 	var order []netip.Addr

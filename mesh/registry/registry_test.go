@@ -657,3 +657,42 @@ func TestCanonical(t *testing.T) {
 		}
 	}
 }
+
+// TestBuildReusesUnchangedWorkloads: a workload of Model.Reuse given
+// again is shared by the new snapshot when its identity and policies come
+// out the same, and copied (with the new policies) when they do not; a
+// workload not of Reuse is copied.
+func TestBuildReusesUnchangedWorkloads(t *testing.T) {
+	a := wl("ns", "a", "n1", map[string]string{"app": "a"}, "10.0.0.1")
+	b := wl("ns", "b", "n1", map[string]string{"app": "b"}, "10.0.0.2")
+	s1 := mustBuild(t, Model{Workloads: []*Workload{a, b}})
+	if s1.Workloads[0] == a {
+		t.Fatal("Build kept the model's own workload: it must copy it")
+	}
+	deny := mustPolicy(t, policy.Policy{Name: "deny-a", Namespace: "ns", Action: policy.Deny,
+		Selector: map[string]string{"app": "a"}, Rules: []policy.Rule{{}}})
+	s2 := mustBuild(t, Model{Workloads: s1.Workloads, Reuse: s1})
+	for i := range s1.Workloads {
+		if s2.Workloads[i] != s1.Workloads[i] {
+			t.Errorf("workload %s unchanged but copied", s1.Workloads[i])
+		}
+	}
+	s3 := mustBuild(t, Model{Workloads: s2.Workloads, Policies: []*policy.Policy{deny}, Reuse: s2})
+	if s3.Workloads[0] == s2.Workloads[0] {
+		t.Error("workload ns/a shared although a policy now applies to it")
+	}
+	if d, _, _ := s3.Workloads[0].Policies(); len(d) != 1 {
+		t.Errorf("ns/a has %d DENY policies, want 1", len(d))
+	}
+	if d, _, _ := s2.Workloads[0].Policies(); len(d) != 0 {
+		t.Errorf("the previous snapshot's ns/a changed: %d DENY policies", len(d))
+	}
+	if s3.Workloads[1] != s2.Workloads[1] {
+		t.Error("workload ns/b unchanged but copied")
+	}
+	// Another snapshot's workloads are not Reuse's: copied.
+	s4 := mustBuild(t, Model{Workloads: s1.Workloads, Reuse: mustBuild(t, Model{Workloads: []*Workload{a, b}})})
+	if s4.Workloads[0] == s1.Workloads[0] {
+		t.Error("a workload not of Reuse was shared")
+	}
+}

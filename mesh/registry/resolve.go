@@ -3,6 +3,7 @@ package registry
 import (
 	"fmt"
 	"net/netip"
+	"slices"
 
 	"github.com/meshtun/meshtun/mesh/identity/workloadid"
 	"github.com/meshtun/meshtun/mesh/policy"
@@ -89,8 +90,13 @@ func Resolve(m Model) (Model, []Conflict) {
 		out.Policies = append(out.Policies, p)
 	}
 
-	owner := make(map[netip.Addr]*Workload)
+	nAddrs := 0
+	for _, w := range m.Workloads {
+		nAddrs += len(w.Addresses)
+	}
+	owner := make(map[netip.Addr]*Workload, nAddrs)
 	names := make(map[WorkloadRef]bool, len(m.Workloads))
+	validID := make(map[WorkloadRef]bool) // namespace and account that make an identity
 	td := m.TrustDomain
 	for i, w := range m.Workloads {
 		drop := func(reason string) {
@@ -110,14 +116,16 @@ func Resolve(m Model) (Model, []Conflict) {
 			if sa == "" {
 				sa = "default"
 			}
-			if _, err := workloadid.New(td, w.Namespace, sa); err != nil {
-				drop(fmt.Sprintf("identity: %v", err))
-				continue
+			if idKey := (WorkloadRef{w.Namespace, sa}); !validID[idKey] {
+				if _, err := workloadid.New(td, w.Namespace, sa); err != nil {
+					drop(fmt.Sprintf("identity: %v", err))
+					continue
+				}
+				validID[idKey] = true
 			}
 		}
 		reason := ""
-		seen := make(map[netip.Addr]bool, len(w.Addresses))
-		for _, a := range w.Addresses {
+		for k, a := range w.Addresses {
 			a = a.Unmap()
 			if !a.IsValid() {
 				reason = "invalid address"
@@ -127,18 +135,17 @@ func Resolve(m Model) (Model, []Conflict) {
 				reason = fmt.Sprintf("address %s belongs to workload %s, which takes precedence", a, o)
 				break
 			}
-			if seen[a] {
+			if slices.ContainsFunc(w.Addresses[:k], func(b netip.Addr) bool { return b.Unmap() == a }) {
 				reason = fmt.Sprintf("address %s listed twice", a)
 				break
 			}
-			seen[a] = true
 		}
 		if reason != "" {
 			drop(reason)
 			continue
 		}
-		for a := range seen {
-			owner[a] = w
+		for _, a := range w.Addresses {
+			owner[a.Unmap()] = w
 		}
 		names[ref] = true
 		out.Workloads = append(out.Workloads, w)
@@ -150,7 +157,11 @@ func Resolve(m Model) (Model, []Conflict) {
 		a  netip.Addr
 		ns string
 	}
-	vipOwner := make(map[vipNS]*Service)
+	nVIPs := 0
+	for _, svc := range m.Services {
+		nVIPs += len(svc.VIPs)
+	}
+	vipOwner := make(map[vipNS]*Service, nVIPs)
 	svcNames := make(map[WorkloadRef]bool, len(m.Services))
 	for i, in := range m.Services {
 		drop := func(reason string) {

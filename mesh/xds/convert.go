@@ -6,6 +6,7 @@ import (
 	"net/netip"
 	"strconv"
 	"strings"
+	"unique"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"google.golang.org/protobuf/reflect/protoreflect"
@@ -31,9 +32,21 @@ func policyLabel(key string) string { return policyLabelPrefix + key }
 // endpoint of, with their ports.
 type workload struct {
 	w        *registry.Workload
-	services map[string][]*workloadapi.Port
+	services []membership
 	pod      bool // a Kubernetes pod (istiod's uid <cluster>//Pod/…)
 }
+
+// membership is a service a workload is an endpoint of: its key
+// ("namespace/hostname", interned) and the target port of each of its
+// ports the workload lists. It is what is kept of the decoded resource's
+// services map (a map of protobuf messages, ~500 bytes a workload).
+type membership struct {
+	key   string
+	ports []portPair
+}
+
+// portPair is a service port and the workload's target port for it.
+type portPair struct{ service, target uint32 }
 
 // service is one converted istio.workload.Service.
 type service struct {
@@ -89,12 +102,17 @@ func (c *converter) workload(in *workloadapi.Workload) (*workload, error) {
 	if in.NetworkMode == workloadapi.NetworkMode_HOST_NETWORK {
 		return nil, nil
 	}
+	// The strings many workloads share (namespace, account, node,
+	// owner…) are interned: istiod repeats them in every resource.
 	w := &registry.Workload{
-		Name: in.Name, Namespace: in.Namespace, ServiceAccount: in.ServiceAccount, Node: in.Node,
+		Name: in.Name, Namespace: intern(in.Namespace), ServiceAccount: intern(in.ServiceAccount), Node: intern(in.Node),
 		InMesh:   in.TunnelProtocol == workloadapi.TunnelProtocol_HBONE,
 		PeerAuth: c.peer,
-		UID:      in.Uid, WorkloadName: in.WorkloadName, WorkloadType: workloadType(in.WorkloadType),
-		CanonicalName: in.CanonicalName, CanonicalRevision: in.CanonicalRevision, Cluster: in.ClusterId,
+		UID:      in.Uid, WorkloadName: intern(in.WorkloadName), WorkloadType: workloadType(in.WorkloadType),
+		CanonicalName: intern(in.CanonicalName), CanonicalRevision: intern(in.CanonicalRevision), Cluster: intern(in.ClusterId),
+	}
+	if len(in.Addresses) > 0 {
+		w.Addresses = make([]netip.Addr, 0, len(in.Addresses))
 	}
 	for i, b := range in.Addresses {
 		a, ok := netip.AddrFromSlice(b)
@@ -155,9 +173,16 @@ func (c *converter) workload(in *workloadapi.Workload) (*workload, error) {
 		}
 	}
 	if len(in.Services) > 0 && endpoint {
-		out.services = make(map[string][]*workloadapi.Port, len(in.Services))
+		out.services = make([]membership, 0, len(in.Services))
 		for k, pl := range in.Services {
-			out.services[k] = pl.GetPorts()
+			m := membership{key: intern(k)}
+			if ps := pl.GetPorts(); len(ps) > 0 {
+				m.ports = make([]portPair, len(ps))
+				for i, p := range ps {
+					m.ports[i] = portPair{service: p.GetServicePort(), target: p.GetTargetPort()}
+				}
+			}
+			out.services = append(out.services, m)
 		}
 	}
 	return out, nil
@@ -582,7 +607,17 @@ func extNames(es []*workloadapi.Extension) string {
 // workloadType names a WDS workload type as ztunnel reports it
 // ("deployment", "cronjob", "pod", "job").
 func workloadType(t workloadapi.WorkloadType) string {
-	return strings.ToLower(t.String())
+	return intern(strings.ToLower(t.String()))
+}
+
+// intern returns s's canonical copy: one string for all equal ones, kept
+// while anything uses it (package unique), so that a value every
+// workload repeats is held once.
+func intern(s string) string {
+	if s == "" {
+		return ""
+	}
+	return unique.Make(s).Value()
 }
 
 // hasUnknownFields reports whether m or any message in it carries fields

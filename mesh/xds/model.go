@@ -14,19 +14,17 @@ import (
 // workload keeps what is known of it (w.w.Refused is set), for the node
 // to capture and deny it if it is local.
 type addrEntry struct {
-	version string
-	w       *workload
-	s       *service
-	err     error
+	w   *workload
+	s   *service
+	err error
 }
 
 // authzEntry is one istio.security.Authorization resource as istiod last
 // sent it, converted; p is the policy that stands for it (a deny-all one
 // if meshtun cannot apply it, see convert), nil if none does.
 type authzEntry struct {
-	version string
-	p       *policy.Policy
-	err     error
+	p   *policy.Policy
+	err error
 }
 
 // state is the resources of both types as istiod last sent them, by
@@ -79,9 +77,9 @@ func (src *Source) model(st state) (registry.Model, origin) {
 	})
 	type member struct {
 		ref   registry.WorkloadRef
-		ports map[uint32]uint32 // service port → target port
+		ports []portPair
 	}
-	members := map[string][]member{}
+	members := make(map[string][]member, len(names)-len(wnames))
 	for _, n := range wnames {
 		e := st.addrs[n]
 		w := e.w.w
@@ -102,18 +100,11 @@ func (src *Source) model(st state) (registry.Model, origin) {
 		}
 		m.Workloads = append(m.Workloads, w)
 		o.workloads = append(o.workloads, n)
-		for key, ps := range e.w.services {
-			mb := member{ref: ref}
-			for _, p := range ps {
-				if mb.ports == nil {
-					mb.ports = map[uint32]uint32{}
-				}
-				mb.ports[p.ServicePort] = p.TargetPort
-			}
-			members[key] = append(members[key], mb)
+		for _, ms := range e.w.services {
+			members[ms.key] = append(members[ms.key], member{ref: ref, ports: ms.ports})
 		}
 	}
-	seen := map[registry.WorkloadRef]bool{}
+	seen := make(map[registry.WorkloadRef]bool, len(names)-len(wnames))
 	for _, n := range names {
 		e := st.addrs[n]
 		if e.s == nil {
@@ -139,10 +130,13 @@ func (src *Source) model(st state) (registry.Model, origin) {
 				}
 				// A named targetPort: the endpoints know the number (the
 				// first endpoint that does wins).
+			endpoints:
 				for _, mb := range mbs {
-					if t := mb.ports[uint32(p.Port)]; t != 0 && t <= 65535 {
-						p.TargetPort = uint16(t)
-						break
+					for _, pp := range mb.ports {
+						if pp.service == uint32(p.Port) && pp.target != 0 && pp.target <= 65535 {
+							p.TargetPort = uint16(pp.target)
+							break endpoints
+						}
 					}
 				}
 			}

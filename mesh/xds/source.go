@@ -200,6 +200,9 @@ type Source struct {
 	enrolled map[registry.WorkloadRef]bool     // see Enroll
 	probes   map[registry.WorkloadRef][]uint16 // see ProbePorts
 	lost     map[string]string                 // resource → its conflict, as last built
+	// built is the last snapshot built: the state's workloads are its
+	// own where they are unchanged (see build).
+	built *registry.Snapshot
 }
 
 // New returns a source; Start starts it.
@@ -539,10 +542,34 @@ func nackMessage(errs []string) string {
 // build builds the snapshot of a state: its model, with conflicts
 // resolved (registry.Resolve), and where each object came from. s.mu is
 // held.
+//
+// The snapshot shares the workloads of the previous one that are
+// unchanged (registry.Model.Reuse), and the state then holds the
+// snapshot's workloads in place of its own: one copy of each workload
+// is kept, and a rebuild copies only those that changed.
 func (s *Source) build(st state) (*registry.Snapshot, []registry.Conflict, origin, error) {
 	m, o := s.model(st)
-	m, conflicts := registry.Resolve(m)
-	snap, err := registry.Build(m)
+	r, conflicts := registry.Resolve(m)
+	r.Reuse = s.built
+	snap, err := registry.Build(r)
+	if err != nil {
+		return snap, conflicts, o, err
+	}
+	s.built = snap
+	// Resolve keeps m's workloads in order (dropping some, changing
+	// none), and the snapshot has one for each it kept, in order.
+	j := 0
+	for i, w := range r.Workloads {
+		for j < len(m.Workloads) && m.Workloads[j] != w {
+			j++
+		}
+		if j == len(m.Workloads) {
+			break // cannot happen (see above)
+		}
+		if e := st.addrs[o.workloads[j]]; e.w != nil && e.w.w == w {
+			e.w.w = snap.Workloads[i] // not a copy model made for this node
+		}
+	}
 	return snap, conflicts, o, err
 }
 
@@ -568,7 +595,7 @@ func (s *Source) convert(typeURL string, res *discoveryv3.Resource, next state) 
 			}
 			return fmt.Errorf("not an istio.workload.Address: %w", err)
 		}
-		e := addrEntry{version: res.Version}
+		e := addrEntry{}
 		switch {
 		case a.GetWorkload() != nil:
 			e.w, e.err = s.conv.workload(a.GetWorkload())
@@ -602,15 +629,15 @@ func (s *Source) convert(typeURL string, res *discoveryv3.Resource, next state) 
 		switch {
 		case err != nil && a.DryRun:
 			// Not enforced anyway: leaving it out denies nothing more.
-			next.authz[res.Name] = authzEntry{version: res.Version, err: err}
+			next.authz[res.Name] = authzEntry{err: err}
 			return fmt.Errorf("%w (a dry-run policy: not evaluated)", err)
 		case err != nil:
 			// Fail closed: the workloads it would apply to refuse every
 			// connection until istiod sends a version meshtun can apply.
-			next.authz[res.Name] = authzEntry{version: res.Version, p: s.conv.denyAll(&a), err: err}
+			next.authz[res.Name] = authzEntry{p: s.conv.denyAll(&a), err: err}
 			return fmt.Errorf("%w (denying every connection in its scope instead)", err)
 		}
-		next.authz[res.Name] = authzEntry{version: res.Version, p: p}
+		next.authz[res.Name] = authzEntry{p: p}
 	default:
 		return fmt.Errorf("unexpected type %s", typeURL)
 	}

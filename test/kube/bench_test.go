@@ -3,7 +3,9 @@ package kube
 import (
 	"bufio"
 	"context"
+	"encoding/json"
 	"fmt"
+	"net/http"
 	"net/netip"
 	"os"
 	"slices"
@@ -15,6 +17,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
@@ -248,15 +251,22 @@ type modelStatus struct {
 func waitModel(b testing.TB, n *cluster.Node, workloads, services int, timeout time.Duration) modelStatus {
 	b.Helper()
 	deadline := time.Now().Add(timeout)
+	hc := &http.Client{Timeout: time.Minute, Transport: &http.Transport{DialContext: n.Dial}}
 	for {
+		// The dump of a large model is slow to serve on a busy machine:
+		// a failed read is retried until the deadline.
 		var dump struct{ Source modelStatus }
-		getJSON(b, n, "http://127.0.0.1:15000/config_dump", &dump)
+		resp, err := hc.Get("http://127.0.0.1:15000/config_dump")
+		if err == nil {
+			err = json.NewDecoder(resp.Body).Decode(&dump)
+			resp.Body.Close()
+		}
 		st := dump.Source
-		if st.Workloads >= workloads && st.Services >= services {
+		if err == nil && st.Workloads >= workloads && st.Services >= services {
 			return st
 		}
 		if time.Now().After(deadline) {
-			b.Fatalf("model has %d workloads and %d services after %s, want %d and %d", st.Workloads, st.Services, timeout, workloads, services)
+			b.Fatalf("model has %d workloads and %d services after %s, want %d and %d (last read: %v)", st.Workloads, st.Services, timeout, workloads, services, err)
 		}
 		time.Sleep(500 * time.Millisecond)
 	}
@@ -316,14 +326,18 @@ func loadScale(b testing.TB, cp *ControlPlane) {
 		ns := nsOf(i)
 		ip4, ip6 := scaleAddrs(i)
 		node := i % scaleFakeNodes
+		name := fmt.Sprintf("p-%05d", i)
 		pod, err := cs.CoreV1().Pods(ns).Create(ctx, &corev1.Pod{
-			ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: fmt.Sprintf("p-%05d", i),
+			ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name,
 				Labels: map[string]string{"app": fmt.Sprintf("svc-%04d", i/scalePodsPerSvc)}},
 			Spec: corev1.PodSpec{NodeName: fmt.Sprintf("fake-%02d", node), ServiceAccountName: "app",
 				AutomountServiceAccountToken: new(bool),
 				Containers: []corev1.Container{{Name: "app", Image: "example.invalid/app:1",
 					Ports: []corev1.ContainerPort{{Name: "http", ContainerPort: 8080}}}}},
 		}, metav1.CreateOptions{})
+		if apierrors.IsAlreadyExists(err) { // a retry (parallel) of a create that timed out
+			pod, err = cs.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
+		}
 		if err != nil {
 			return err
 		}
@@ -339,7 +353,7 @@ func loadScale(b testing.TB, cp *ControlPlane) {
 			ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
 			Spec: corev1.ServiceSpec{Selector: map[string]string{"app": name},
 				Ports: []corev1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromInt32(8080)}}},
-		}, metav1.CreateOptions{}); err != nil {
+		}, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 			return err
 		}
 		var eps []discoveryv1.Endpoint
@@ -355,13 +369,32 @@ func loadScale(b testing.TB, cp *ControlPlane) {
 			Ports:       []discoveryv1.EndpointPort{{Name: new("http"), Port: new(int32(8080))}},
 			Endpoints:   eps,
 		}, metav1.CreateOptions{})
+		if apierrors.IsAlreadyExists(err) {
+			return nil
+		}
 		return err
 	})
 }
 
 // parallel runs fn(0…n-1), scaleWorkers at a time, and fails b with the
-// first error.
+// first error. fn is retried (up to 5 times) when the API server answers
+// that it timed out or is overloaded, as it does on a busy machine: fn
+// must take an object that its timed-out attempt created anyway.
 func parallel(b testing.TB, n int, fn func(int) error) {
+	b.Helper()
+	retried := func(i int) error {
+		var err error
+		for range 5 {
+			if err = fn(i); err == nil || !(apierrors.IsTimeout(err) || apierrors.IsServerTimeout(err) || apierrors.IsTooManyRequests(err)) {
+				return err
+			}
+		}
+		return err
+	}
+	parallelOnce(b, n, retried)
+}
+
+func parallelOnce(b testing.TB, n int, fn func(int) error) {
 	b.Helper()
 	next := make(chan int)
 	var wg sync.WaitGroup

@@ -95,7 +95,7 @@ func accessLog(m *noderun.Process, src netip.AddrPort) (noderun.Line, bool) {
 }
 
 // istiodT builds (once, cached) and starts istiod against cp.
-func istiodT(t *testing.T, cp *ControlPlane, trusted ...string) *Istiod {
+func istiodT(t testing.TB, cp *ControlPlane, trusted ...string) *Istiod {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Minute)
 	defer cancel()
@@ -129,7 +129,7 @@ func istiodT(t *testing.T, cp *ControlPlane, trusted ...string) *Istiod {
 // creates on each node, as the DaemonSet would): istiod's CA lets a
 // trusted node account impersonate only the workloads on the node of the
 // pod its token is bound to.
-func istiodFiles(t *testing.T, cp *ControlPlane, dir string, nodes ...*cluster.Node) (root string, tokens, kubeconfigs []string) {
+func istiodFiles(t testing.TB, cp *ControlPlane, dir string, nodes ...*cluster.Node) (root string, tokens, kubeconfigs []string) {
 	t.Helper()
 	ctx := context.Background()
 	deadline := time.Now().Add(time.Minute)
@@ -191,7 +191,7 @@ func istiodFiles(t *testing.T, cp *ControlPlane, dir string, nodes ...*cluster.N
 }
 
 // istioNodeConfig writes the node settings of deploy/istio's ConfigMap.
-func istioNodeConfig(t *testing.T, ms []Manifest, dir string) string {
+func istioNodeConfig(t testing.TB, ms []Manifest, dir string) string {
 	t.Helper()
 	for _, m := range ms {
 		if m.Obj.GetKind() != "ConfigMap" {
@@ -243,7 +243,7 @@ func peerChain(t *testing.T, ns *cluster.NS, addr netip.AddrPort) []*x509.Certif
 }
 
 // metricsText returns node n's Prometheus metrics.
-func metricsText(t *testing.T, n *cluster.Node) string {
+func metricsText(t testing.TB, n *cluster.Node) string {
 	t.Helper()
 	hc := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DialContext: n.Dial}}
 	resp, err := hc.Get("http://127.0.0.1:15020/metrics")
