@@ -2,6 +2,7 @@
 //
 //	probe serve [-tcp :8080] [-http :8081]   echo every TCP connection back; HTTP 200 on /
 //	probe send -to host:port -msg TEXT        send TEXT, half-close, print what comes back
+//	  [-then-sleep]                           then wait as sleep does (a pod's first action)
 //	probe loop -to host:port -msg TEXT -for 60s  exchange TEXT every 100 ms, print a JSON summary
 //	probe sleep                               wait forever (a pod to kubectl exec into)
 package main
@@ -38,10 +39,14 @@ func main() {
 		to := fs.String("to", "", "host:port")
 		msg := fs.String("msg", "", "what to send")
 		timeout := fs.Duration("timeout", 10*time.Second, "whole exchange")
+		thenSleep := fs.Bool("then-sleep", false, "after a successful exchange, wait as sleep does")
 		fs.Parse(os.Args[2:])
 		if err := send(*to, *msg, *timeout); err != nil {
 			fmt.Fprintln(os.Stderr, err)
 			os.Exit(1)
+		}
+		if *thenSleep {
+			sleep()
 		}
 	case "loop":
 		to := fs.String("to", "", "host:port")
@@ -61,14 +66,18 @@ func main() {
 			os.Exit(1)
 		}
 	case "sleep":
-		// Until the kubelet stops the pod (a bare select{} is a deadlock
-		// to the runtime when nothing else runs).
-		sig := make(chan os.Signal, 1)
-		signal.Notify(sig, syscall.SIGTERM, syscall.SIGINT)
-		<-sig
+		sleep()
 	default:
 		log.Fatalf("unknown command %q", os.Args[1])
 	}
+}
+
+// sleep waits until the kubelet stops the pod (a bare select{} is a
+// deadlock to the runtime when nothing else runs).
+func sleep() {
+	sig := make(chan os.Signal, 1)
+	signal.Notify(sig, syscall.SIGTERM, syscall.SIGINT)
+	<-sig
 }
 
 func serve(tcpAddr, httpAddr string) {
