@@ -365,8 +365,18 @@ func (c *Cluster) Delete(ctx context.Context) error {
 	return nil
 }
 
-// LoadImage loads a docker-archive into every node (kind load image-archive).
-func (c *Cluster) LoadImage(ctx context.Context, archive string) error {
-	_, err := c.Kind(ctx, "load", "image-archive", archive, "--name", c.Name)
+// LoadImage loads a docker-archive into nodes, or every node if none are
+// named (kind load image-archive).
+func (c *Cluster) LoadImage(ctx context.Context, archive string, nodes ...string) error {
+	args := []string{"load", "image-archive", archive, "--name", c.Name}
+	if len(nodes) > 0 {
+		args = append(args, "--nodes", strings.Join(nodes, ","))
+	}
+	_, err := c.Kind(ctx, args...)
 	return err
+}
+
+// Workers are the names of the cluster's two worker nodes (kind's naming).
+func (c *Cluster) Workers() []string {
+	return []string{c.Name + "-worker", c.Name + "-worker2"}
 }
