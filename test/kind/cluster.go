@@ -205,11 +205,30 @@ func clusterConfig(path string) (string, error) {
 		keep = append(keep, l)
 	}
 	return strings.Join(keep, "\n") + `
-# added by test/kind: this host is cgroup v1.
+# added by test/kind: this host is cgroup v1; and it is shared by many
+# builds (load 60-120 on 2 cores was seen): kubeadm's default timeouts
+# (4 min for the control plane, 1 min per API call) failed kind create
+# three times in a row in "wait-control-plane".
 kubeadmConfigPatches:
   - |
     kind: KubeletConfiguration
     failCgroupV1: false
+  - |
+    kind: InitConfiguration
+    timeouts:
+      controlPlaneComponentHealthCheck: 10m0s
+      kubeletHealthCheck: 10m0s
+      kubernetesAPICall: 5m0s
+      etcdAPICall: 5m0s
+  - |
+    kind: JoinConfiguration
+    timeouts:
+      controlPlaneComponentHealthCheck: 10m0s
+      kubeletHealthCheck: 10m0s
+      kubernetesAPICall: 5m0s
+      etcdAPICall: 5m0s
+      tlsBootstrap: 10m0s
+      discovery: 10m0s
 `, nil
 }
 
