@@ -140,7 +140,7 @@ func Create(ctx context.Context, logf Logf, t Toolchain, o Options) (*Cluster, e
 	if err := c.useNodeAddress(ctx); err != nil {
 		return c, err
 	}
-	nodes, err := c.Nodes(ctx)
+	nodes, err := c.allNodes(ctx)
 	if err != nil {
 		return c, err
 	}
@@ -155,6 +155,35 @@ func Create(ctx context.Context, logf Logf, t Toolchain, o Options) (*Cluster, e
 	}
 	logf("cluster %s ready after %s", c.Name, time.Since(start).Round(time.Second))
 	return c, nil
+}
+
+// allNodes waits until every node kind made is registered with the API
+// server with its pod CIDRs, and returns them: kind create can return
+// before a joining kubelet has registered (seen on a loaded machine: the
+// second worker registered minutes later, and got no pod network).
+func (c *Cluster) allNodes(ctx context.Context) ([]Node, error) {
+	out, err := c.Kind(ctx, "get", "nodes", "--name", c.Name)
+	if err != nil {
+		return nil, err
+	}
+	want := len(strings.Fields(string(out)))
+	deadline := time.Now().Add(10 * time.Minute)
+	for {
+		nodes, err := c.Nodes(ctx)
+		ready := 0
+		for _, n := range nodes {
+			if len(n.PodCIDRs) > 0 {
+				ready++
+			}
+		}
+		if err == nil && ready == want {
+			return nodes, nil
+		}
+		if time.Now().After(deadline) {
+			return nil, fmt.Errorf("cluster %s: %d of the %d nodes kind made are registered with pod CIDRs after 10 minutes (%v)", c.Name, ready, want, err)
+		}
+		time.Sleep(2 * time.Second) // the kubelets register on their own
+	}
 }
 
 // useNodeAddress points the kubeconfig at the control-plane node's IPv4
