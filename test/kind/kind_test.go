@@ -309,6 +309,8 @@ type accessRecord struct {
 	SrcIdentity string `json:"src.identity"`
 	DstIdentity string `json:"dst.identity"`
 	Direction   string `json:"direction"`
+	BytesSent   int64  `json:"bytes_sent"`
+	BytesRecv   int64  `json:"bytes_recv"`
 }
 
 // accessLog returns the access records of the meshtun pod on node.
