@@ -563,7 +563,7 @@ func nodeProxyPod(ctx context.Context, node string) (string, int, error) {
 
 // nodeProxyPID is the process ID, inside node, of its one meshtun node
 // process.
-func nodeProxyPID(t *testing.T, node string) string {
+func nodeProxyPID(t testing.TB, node string) string {
 	t.Helper()
 	out, err := cl.Podman(context.Background(), "exec", node, "pgrep", "-f", " node --kubernetes")
 	if err != nil {
