@@ -157,11 +157,10 @@ func Create(ctx context.Context, logf Logf, t Toolchain, o Options) (*Cluster, e
 	return c, nil
 }
 
-// allNodes waits until every node container of the cluster has its Node
-// object, and returns them: on a loaded machine kind create returned
-// while the workers' kubelets registered minutes later, and the pod
-// network written for the control plane alone left the workers without
-// routes.
+// allNodes waits until every node kind made is registered with the API
+// server with its pod CIDRs, and returns them: kind create can return
+// before a joining kubelet has registered (seen on a loaded machine: the
+// second worker registered minutes later, and got no pod network).
 func (c *Cluster) allNodes(ctx context.Context) ([]Node, error) {
 	out, err := c.Podman(ctx, "ps", "--filter", "label=io.x-k8s.kind.cluster="+c.Name, "--format", "{{.Names}}")
 	if err != nil {
@@ -171,16 +170,22 @@ func (c *Cluster) allNodes(ctx context.Context) ([]Node, error) {
 	deadline := time.Now().Add(10 * time.Minute)
 	for {
 		nodes, err := c.Nodes(ctx)
-		if err == nil && len(nodes) >= want {
+		ready := 0
+		for _, n := range nodes {
+			if len(n.PodCIDRs) > 0 {
+				ready++
+			}
+		}
+		if err == nil && ready == want {
 			return nodes, nil
 		}
 		if time.Now().After(deadline) {
-			return nil, fmt.Errorf("cluster %s: %d Node objects for %d node containers after 10 min (%v)", c.Name, len(nodes), want, err)
+			return nil, fmt.Errorf("cluster %s: %d of the %d nodes kind made are registered with pod CIDRs after 10 minutes (%v)", c.Name, ready, want, err)
 		}
 		select {
 		case <-ctx.Done():
 			return nil, ctx.Err()
-		case <-time.After(2 * time.Second): // the API has no signal for "registered" we can block on here
+		case <-time.After(2 * time.Second): // the kubelets register on their own; the API has no signal to block on here
 		}
 	}
 }
@@ -233,9 +238,10 @@ func clusterConfig(path string) (string, error) {
 		keep = append(keep, l)
 	}
 	return strings.Join(keep, "\n") + `
-# added by test/kind: this host is cgroup v1, and a shared 2-core machine
-# (kubeadm's default 1-4 minute waits ran out while the API server
-# started: "could not bootstrap the admin user").
+# added by test/kind: this host is cgroup v1; and it is shared by many
+# builds (load 60-120 on 2 cores was seen): kubeadm's default timeouts
+# (4 min for the control plane, 1 min per API call) failed kind create
+# three times in a row in "wait-control-plane".
 kubeadmConfigPatches:
   - |
     kind: KubeletConfiguration
@@ -246,14 +252,16 @@ kubeadmConfigPatches:
       controlPlaneComponentHealthCheck: 10m0s
       kubeletHealthCheck: 10m0s
       kubernetesAPICall: 5m0s
+      etcdAPICall: 5m0s
   - |
     kind: JoinConfiguration
     timeouts:
       controlPlaneComponentHealthCheck: 10m0s
       kubeletHealthCheck: 10m0s
       kubernetesAPICall: 5m0s
-      discovery: 10m0s
+      etcdAPICall: 5m0s
       tlsBootstrap: 10m0s
+      discovery: 10m0s
 `, nil
 }
 
@@ -409,8 +417,18 @@ func (c *Cluster) Delete(ctx context.Context) error {
 	return nil
 }
 
-// LoadImage loads a docker-archive into every node (kind load image-archive).
-func (c *Cluster) LoadImage(ctx context.Context, archive string) error {
-	_, err := c.Kind(ctx, "load", "image-archive", archive, "--name", c.Name)
+// LoadImage loads a docker-archive into nodes, or every node if none are
+// named (kind load image-archive).
+func (c *Cluster) LoadImage(ctx context.Context, archive string, nodes ...string) error {
+	args := []string{"load", "image-archive", archive, "--name", c.Name}
+	if len(nodes) > 0 {
+		args = append(args, "--nodes", strings.Join(nodes, ","))
+	}
+	_, err := c.Kind(ctx, args...)
 	return err
+}
+
+// Workers are the names of the cluster's two worker nodes (kind's naming).
+func (c *Cluster) Workers() []string {
+	return []string{c.Name + "-worker", c.Name + "-worker2"}
 }

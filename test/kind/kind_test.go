@@ -325,6 +325,8 @@ type accessRecord struct {
 	SrcIdentity string `json:"src.identity"`
 	DstIdentity string `json:"dst.identity"`
 	Direction   string `json:"direction"`
+	BytesSent   int64  `json:"bytes_sent"`
+	BytesRecv   int64  `json:"bytes_recv"`
 }
 
 // accessLog returns the access records of the meshtun pod on node.
@@ -577,7 +579,7 @@ func nodeProxyPod(ctx context.Context, node string) (string, int, error) {
 
 // nodeProxyPID is the process ID, inside node, of its one meshtun node
 // process.
-func nodeProxyPID(t *testing.T, node string) string {
+func nodeProxyPID(t testing.TB, node string) string {
 	t.Helper()
 	out, err := cl.Podman(context.Background(), "exec", node, "pgrep", "-f", " node --kubernetes")
 	if err != nil {

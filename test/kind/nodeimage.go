@@ -53,43 +53,69 @@ func shortHash(parts ...string) string {
 // BaseRootfs debootstraps the Debian base once into
 // CacheDir()/base-<suite>-<hash of the package list>/rootfs.
 func BaseRootfs(ctx context.Context, logf Logf) (string, error) {
+	dir, err := debootstrapOnce(ctx, logf, "base-"+BaseSuite+"-"+shortHash(append([]string{BaseSuite}, BasePackages...)...),
+		"base.lock", "rootfs/usr/bin/systemctl", BasePackages, nil)
+	if err != nil {
+		return "", err
+	}
+	return filepath.Join(dir, "rootfs"), nil
+}
+
+// debootstrapOnce makes CacheDir()/name once: a debootstrap
+// --variant=minbase of BaseSuite with pkgs into its rootfs/, then finish
+// (if not nil) on the temporary directory, which is renamed into place
+// only when both succeed (a directory that exists is complete). check is
+// a file of the rootfs that a complete one has. lock serialises
+// concurrent runs.
+func debootstrapOnce(ctx context.Context, logf Logf, name, lock, check string, pkgs []string, finish func(tmp string) error) (string, error) {
 	cache, err := CacheDir()
 	if err != nil {
 		return "", err
 	}
-	dir := filepath.Join(cache, "base-"+BaseSuite+"-"+shortHash(append([]string{BaseSuite}, BasePackages...)...))
-	rootfs := filepath.Join(dir, "rootfs")
-	if _, err := os.Stat(filepath.Join(rootfs, "usr/bin/systemctl")); err == nil {
-		return rootfs, nil
+	dir := filepath.Join(cache, name)
+	complete := func() bool {
+		_, err := os.Stat(filepath.Join(dir, check))
+		return err == nil
+	}
+	if complete() {
+		return dir, nil
 	}
 	if _, err := exec.LookPath("debootstrap"); err != nil {
 		return "", fmt.Errorf("debootstrap not found (apt-get install debootstrap): %w", err)
 	}
-	unlock, err := lockFile(ctx, filepath.Join(cache, "base.lock"))
+	unlock, err := lockFile(ctx, filepath.Join(cache, lock))
 	if err != nil {
 		return "", err
 	}
 	defer unlock()
+	if complete() {
+		return dir, nil
+	}
 	tmp := dir + ".tmp"
 	os.RemoveAll(tmp)
 	if err := os.MkdirAll(tmp, 0o755); err != nil {
 		return "", err
 	}
-	logf("debootstrap %s into %s (minutes)", BaseSuite, tmp)
+	logf("debootstrap %s with %s into %s (minutes)", BaseSuite, strings.Join(pkgs, ","), tmp)
 	start, cpu0 := time.Now(), childCPU()
 	cmd := exec.CommandContext(ctx, "nice", "-n", "5", "debootstrap", "--variant=minbase",
-		"--include="+strings.Join(BasePackages, ","), BaseSuite, filepath.Join(tmp, "rootfs"), DebianMirror)
+		"--include="+strings.Join(pkgs, ","), BaseSuite, filepath.Join(tmp, "rootfs"), DebianMirror)
 	if out, err := cmd.CombinedOutput(); err != nil {
-		return "", fmt.Errorf("debootstrap %s: %w\n%s", BaseSuite, err, tail(out, 4000))
+		return "", fmt.Errorf("debootstrap %s for %s: %w\n%s", BaseSuite, name, err, tail(out, 4000))
 	}
 	// apt's downloaded packages are not needed in the node.
 	os.RemoveAll(filepath.Join(tmp, "rootfs/var/cache/apt/archives"))
+	if finish != nil {
+		if err := finish(tmp); err != nil {
+			return "", fmt.Errorf("%s: %w", name, err)
+		}
+	}
 	os.RemoveAll(dir)
 	if err := os.Rename(tmp, dir); err != nil {
 		return "", err
 	}
-	logf("debootstrap %s: wall %s, CPU %s", BaseSuite, time.Since(start).Round(time.Second), (childCPU() - cpu0).Round(time.Second))
-	return rootfs, nil
+	logf("%s: wall %s, CPU %s", name, time.Since(start).Round(time.Second), (childCPU() - cpu0).Round(time.Second))
+	return dir, nil
 }
 
 // NodeImageName is the podman image the nodes run, named by a hash of

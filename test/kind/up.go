@@ -30,7 +30,8 @@ func Prerequisites() error {
 }
 
 // Up builds (or takes from the cache) everything, creates the cluster
-// `name` with dir for its files, loads meshtun:dev and the probe image and
+// `name` with dir for its files, loads meshtun:dev, the probe image and
+// the toolbox image (ToolboxImage, on the workers) and
 // applies deploy/kubernetes/ as docs/kubernetes.md says, waiting until the
 // DaemonSet is ready on every node. On error the returned Cluster, if not
 // nil, is what must be deleted.
@@ -60,23 +61,40 @@ func UpBare(ctx context.Context, logf Logf, name, dir string) (*Cluster, error) 
 	if err != nil {
 		return nil, err
 	}
+	// The toolbox image (a debootstrap of its own, cached) is built
+	// while the toolchain and the node image are.
+	toolbox := make(chan error, 1)
+	var toolboxTar string
+	go func() {
+		var err error
+		toolboxTar, err = ToolboxArchive(ctx, logf)
+		toolbox <- err
+	}()
 	t, err := BuildToolchain(ctx, logf)
 	if err != nil {
+		<-toolbox
 		return nil, err
 	}
 	rootfs, err := BaseRootfs(ctx, logf)
 	if err != nil {
+		<-toolbox
 		return nil, err
 	}
 	if err := os.MkdirAll(dir, 0o755); err != nil {
+		<-toolbox
 		return nil, err
 	}
 	pause, err := BuildLocal(ctx, dir, "pause")
 	if err != nil {
+		<-toolbox
 		return nil, err
 	}
 	img, err := AssembleNodeImage(ctx, logf, t, rootfs, pause)
 	if err != nil {
+		<-toolbox
+		return nil, err
+	}
+	if err := <-toolbox; err != nil {
 		return nil, err
 	}
 	// meshtun:dev as its users build it, while the cluster starts.
@@ -109,6 +127,10 @@ func UpBare(ctx context.Context, logf Logf, name, dir string) (*Cluster, error) 
 		if err := c.LoadImage(ctx, a); err != nil {
 			return c, err
 		}
+	}
+	// The toolbox only on the workers, where the test pods run.
+	if err := c.LoadImage(ctx, toolboxTar, c.Workers()...); err != nil {
+		return c, err
 	}
 	logf("images loaded: %s", time.Since(start).Round(time.Second))
 	return c, nil

@@ -5,6 +5,7 @@
 //	kindctl up [NAME]        a cluster with meshtun running (default name meshtun)
 //	kindctl down [NAME]      delete it and its podman network
 //	kindctl probe-image [NAME]  rebuild and load the test image into it
+//	kindctl toolbox-image    build (or find cached) meshtun-toolbox:dev
 //
 // The kubeconfig goes to ~/.cache/meshtun-test/kind/clusters/NAME/kubeconfig.
 package main
@@ -40,6 +41,11 @@ func main() {
 	switch os.Args[1] {
 	case "toolchain":
 		_, err = kind.BuildToolchain(ctx, log.Printf)
+	case "toolbox-image":
+		var tar string
+		if tar, err = kind.ToolboxArchive(ctx, log.Printf); err == nil {
+			log.Printf("%s: %s", kind.ToolboxImage, tar)
+		}
 	case "up":
 		var c *kind.Cluster
 		c, err = kind.Up(ctx, log.Printf, name, dir)

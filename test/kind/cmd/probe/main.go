@@ -4,6 +4,7 @@
 //	probe send -to host:port -msg TEXT        send TEXT, half-close, print what comes back
 //	  [-then-sleep]                           then wait as sleep does (a pod's first action)
 //	probe loop -to host:port -msg TEXT -for 60s  exchange TEXT every 100 ms, print a JSON summary
+//	probe bench -to host:port -mode rr|crr -for 5s  request/response latency (one connection) or connection rate, JSON
 //	probe sleep                               wait forever (a pod to kubectl exec into)
 package main
 
@@ -16,6 +17,7 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"sort"
 	"syscall"
 	"time"
 )
@@ -62,6 +64,15 @@ func main() {
 		dur := fs.Duration("for", 30*time.Second, "how long to keep the connection open after the echo")
 		fs.Parse(os.Args[2:])
 		if err := hold(*to, *msg, *dur); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
+	case "bench":
+		to := fs.String("to", "", "host:port of a probe serve")
+		mode := fs.String("mode", "rr", "rr: 1-byte request/response on one connection; crr: a new connection for each")
+		dur := fs.Duration("for", 5*time.Second, "how long")
+		fs.Parse(os.Args[2:])
+		if err := bench(*to, *mode, *dur); err != nil {
 			fmt.Fprintln(os.Stderr, err)
 			os.Exit(1)
 		}
@@ -154,6 +165,56 @@ func loop(to, msg string, d, every time.Duration) {
 		maxGap = g
 	}
 	fmt.Printf("{\"ok\": %d, \"fail\": %d, \"maxGapMs\": %d, \"lastError\": %q}\n", ok, fail, maxGap.Milliseconds(), lastErr)
+}
+
+// bench runs 1-byte request/responses against an echo server for d: on
+// one connection (rr) or each on a new connection (crr, connect, send,
+// read, close), and prints the count, the rate and the p50/p99 latency.
+func bench(to, mode string, d time.Duration) error {
+	var lat []time.Duration
+	buf := make([]byte, 1)
+	exchange := func(c net.Conn) error {
+		if _, err := c.Write([]byte{'x'}); err != nil {
+			return err
+		}
+		_, err := io.ReadFull(c, buf)
+		return err
+	}
+	var c net.Conn
+	var err error
+	if mode == "rr" {
+		if c, err = net.DialTimeout("tcp", to, 5*time.Second); err != nil {
+			return fmt.Errorf("dial %s: %w", to, err)
+		}
+		defer c.Close()
+		c.SetDeadline(time.Now().Add(d + 10*time.Second))
+	} else if mode != "crr" {
+		return fmt.Errorf("mode %q: want rr or crr", mode)
+	}
+	start := time.Now()
+	for time.Since(start) < d {
+		t0 := time.Now()
+		if mode == "crr" {
+			cc, err := net.DialTimeout("tcp", to, 5*time.Second)
+			if err != nil {
+				return fmt.Errorf("dial %s: %w", to, err)
+			}
+			cc.SetDeadline(time.Now().Add(5 * time.Second))
+			err = exchange(cc)
+			cc.Close()
+			if err != nil {
+				return fmt.Errorf("exchange with %s: %w", to, err)
+			}
+		} else if err := exchange(c); err != nil {
+			return fmt.Errorf("exchange with %s: %w", to, err)
+		}
+		lat = append(lat, time.Since(t0))
+	}
+	el := time.Since(start)
+	sort.Slice(lat, func(i, j int) bool { return lat[i] < lat[j] })
+	pct := func(p float64) int64 { return lat[int(p*float64(len(lat)-1))].Microseconds() }
+	fmt.Printf("{\"mode\": %q, \"n\": %d, \"perSec\": %.1f, \"p50us\": %d, \"p99us\": %d}\n", mode, len(lat), float64(len(lat))/el.Seconds(), pct(0.5), pct(0.99))
+	return nil
 }
 
 func send(to, msg string, timeout time.Duration) error {
