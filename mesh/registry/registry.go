@@ -101,6 +101,11 @@ type Workload struct {
 	// left reachable in plaintext), but every connection to it and from it
 	// is denied; it has no certificate.
 	Refused string
+	// Waypoint, if set, is the waypoint (L7 proxy) that connections
+	// addressed to the workload's own addresses must cross: clients send
+	// them over HBONE to the waypoint, with the workload's address and
+	// port as the CONNECT target (ztunnel's workload waypoint).
+	Waypoint *Waypoint
 	// ProbePorts are the ports the workload serves health probes on: the
 	// node itself reaches them directly (not proxied, not authorized),
 	// even under STRICT. From anywhere else they are ordinary ports.
@@ -278,6 +283,14 @@ type Service struct {
 	// goes to its original destination (Istio's load-balancing mode
 	// PASSTHROUGH, e.g. a ServiceEntry with resolution NONE).
 	Passthrough bool
+	// Waypoint, if set, is the waypoint that connections to the
+	// service's VIPs must cross: clients send them over HBONE to the
+	// waypoint, with the VIP and port as the CONNECT target, instead of
+	// picking an endpoint. WeightedWaypoints, when some have a weight,
+	// take its place: one of them is chosen per connection in
+	// proportion to its weight (PickWaypoint).
+	Waypoint          *Waypoint
+	WeightedWaypoints []WeightedWaypoint
 
 	eps [2]endpointSet // by family: [0] IPv4, [1] IPv6
 }
@@ -465,6 +478,9 @@ func Build(m Model) (*Snapshot, error) {
 			}
 			ids[idKey] = id
 		}
+		if err := in.Waypoint.check(); err != nil {
+			return nil, fmt.Errorf("registry: workload %s: %w", in, err)
+		}
 		var authz policy.Set
 		if in.Refused != "" {
 			// Nothing reaches it: one policy that denies everything
@@ -552,6 +568,14 @@ func (s *Snapshot) addService(svc *Service, suffix string, byNS map[string][]*Wo
 	}
 	if svc.Hostname == "" {
 		svc.Hostname = svc.Name + "." + svc.Namespace + ".svc." + suffix
+	}
+	if err := svc.Waypoint.check(); err != nil {
+		return err
+	}
+	for i := range svc.WeightedWaypoints {
+		if err := (&svc.WeightedWaypoints[i].Waypoint).check(); err != nil {
+			return fmt.Errorf("weighted waypoint %d: %w", i, err)
+		}
 	}
 	if s.svcByHost == nil {
 		s.svcByHost = make(map[string]*Service)
