@@ -91,7 +91,7 @@ func refuse(reason, format string, args ...any) error {
 
 // workload converts a WDS workload. A nil result with a nil error is a
 // workload meshtun does not model (host-network pods: their addresses are
-// their node's). A workload meshtun understands but refuses (a waypoint,
+// their node's). A workload meshtun understands but refuses (a waypoint on
 // another network, …) is returned with a *refusal error: what is known of
 // it (name, node, addresses) lets the node capture it and deny it rather
 // than leave it open.
@@ -132,7 +132,12 @@ func (c *converter) workload(in *workloadapi.Workload) (*workload, error) {
 		return out, refuse(reason, format, args...)
 	}
 	if in.Waypoint != nil {
-		return refused(RefusedWaypoint, "workload %s/%s requires waypoint %s: meshtun has no waypoint support (L7 policy would be bypassed), so it refuses the workload", in.Namespace, in.Name, gatewayString(in.Waypoint))
+		wp, err := c.waypoint(in.Waypoint)
+		if err != nil {
+			// Reaching the workload directly would bypass its L7 policy.
+			return refused(RefusedWaypoint, "workload %s/%s: %v", in.Namespace, in.Name, err)
+		}
+		w.Waypoint = wp
 	}
 	if in.NetworkGateway != nil {
 		return refused(RefusedNetwork, "workload %s/%s is reached through network gateway %s: multi-network meshes are not supported", in.Namespace, in.Name, gatewayString(in.NetworkGateway))
@@ -196,13 +201,28 @@ func (c *converter) service(in *workloadapi.Service) (*service, error) {
 		return nil, errors.New("service without hostname or namespace")
 	}
 	key := in.Namespace + "/" + in.Hostname
-	if in.Waypoint != nil || len(in.WeightedWaypoints) > 0 {
-		return nil, fmt.Errorf("service %s requires waypoint %s: meshtun has no waypoint support (L7 policy would be bypassed), so it refuses the service", key, gatewayString(in.Waypoint))
+	var wp *registry.Waypoint
+	if in.Waypoint != nil {
+		var err error
+		if wp, err = c.waypoint(in.Waypoint); err != nil {
+			return nil, fmt.Errorf("service %s: %w", key, err)
+		}
+	}
+	var weighted []registry.WeightedWaypoint
+	for i, ww := range in.WeightedWaypoints {
+		if ww.GetDestination() == nil {
+			return nil, fmt.Errorf("service %s: weighted_waypoints[%d] has no destination", key, i)
+		}
+		d, err := c.waypoint(ww.Destination)
+		if err != nil {
+			return nil, fmt.Errorf("service %s: weighted_waypoints[%d]: %w", key, i, err)
+		}
+		weighted = append(weighted, registry.WeightedWaypoint{Waypoint: *d, Weight: ww.Weight})
 	}
 	if len(in.Extensions) > 0 {
 		return nil, fmt.Errorf("service %s has extensions (%s), which meshtun does not understand", key, extNames(in.Extensions))
 	}
-	s := &registry.Service{Name: in.Name, Namespace: in.Namespace, Hostname: in.Hostname}
+	s := &registry.Service{Name: in.Name, Namespace: in.Namespace, Hostname: in.Hostname, Waypoint: wp, WeightedWaypoints: weighted}
 	if s.Name == "" {
 		s.Name = in.Hostname
 	}
@@ -579,6 +599,41 @@ func portStrings(ps []uint32) []string {
 		out = append(out, strconv.FormatUint(uint64(p), 10))
 	}
 	return out
+}
+
+// waypoint converts a waypoint's GatewayAddress: an address on this
+// node's network (a workload's or a service VIP), or a service's hostname
+// and namespace, and the HBONE port (15008 when istiod leaves it 0). A
+// waypoint meshtun cannot reach (on another network) or that names
+// nothing is an error: what it guards must then not be reached at all.
+func (c *converter) waypoint(g *workloadapi.GatewayAddress) (*registry.Waypoint, error) {
+	if g.HboneMtlsPort > 65535 {
+		return nil, fmt.Errorf("waypoint %s: HBONE port %d out of range", gatewayString(g), g.HboneMtlsPort)
+	}
+	wp := &registry.Waypoint{Port: uint16(g.HboneMtlsPort)}
+	switch d := g.Destination.(type) {
+	case *workloadapi.GatewayAddress_Address:
+		na := d.Address
+		a, ok := netip.AddrFromSlice(na.GetAddress())
+		if !ok {
+			return nil, fmt.Errorf("waypoint address of %d bytes is not an IPv4 or IPv6 address", len(na.GetAddress()))
+		}
+		if na.GetNetwork() != c.network {
+			return nil, fmt.Errorf("waypoint %s is on network %q, this node on %q: multi-network meshes are not supported", gatewayString(g), na.GetNetwork(), c.network)
+		}
+		wp.Addr = a.Unmap()
+	case *workloadapi.GatewayAddress_Hostname:
+		if d.Hostname.GetHostname() == "" || d.Hostname.GetNamespace() == "" {
+			return nil, fmt.Errorf("waypoint hostname %q in namespace %q: both are required", d.Hostname.GetHostname(), d.Hostname.GetNamespace())
+		}
+		wp.Hostname, wp.Namespace = intern(d.Hostname.Hostname), intern(d.Hostname.Namespace)
+	default:
+		return nil, errors.New("waypoint without an address or a hostname")
+	}
+	if wp.Port == 0 {
+		wp.Port = registry.DefaultWaypointPort
+	}
+	return wp, nil
 }
 
 func gatewayString(g *workloadapi.GatewayAddress) string {

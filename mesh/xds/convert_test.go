@@ -1,6 +1,7 @@
 package xds
 
 import (
+	"errors"
 	"net/netip"
 	"strings"
 	"testing"
@@ -138,5 +139,80 @@ func TestWorkloadKeepsIstiodNames(t *testing.T) {
 	}
 	if want := (registry.Locality{Region: "eu-west1", Zone: "eu-west1-b", Subzone: "rack7"}); w.Locality != want {
 		t.Errorf("locality %+v, want %+v", w.Locality, want)
+	}
+}
+
+// Workloads and services with a waypoint are kept, their waypoint
+// recorded (by address on this node's network, or by hostname and
+// namespace; the HBONE port 15008 when istiod leaves it 0); a waypoint
+// meshtun cannot reach (another network) or that names nothing refuses
+// the workload (captured and denied on its node) and NACKs the service.
+func TestWaypointConversion(t *testing.T) {
+	c := &converter{td: spiffeid.RequireTrustDomainFromString("cluster.local"), network: "net1", root: "istio-system"}
+	byAddr := func(network, ip string, port uint32) *workloadapi.GatewayAddress {
+		return &workloadapi.GatewayAddress{HboneMtlsPort: port, Destination: &workloadapi.GatewayAddress_Address{
+			Address: &workloadapi.NetworkAddress{Network: network, Address: netip.MustParseAddr(ip).AsSlice()}}}
+	}
+	byHost := func(ns, host string) *workloadapi.GatewayAddress {
+		return &workloadapi.GatewayAddress{HboneMtlsPort: 15008, Destination: &workloadapi.GatewayAddress_Hostname{
+			Hostname: &workloadapi.NamespacedHostname{Namespace: ns, Hostname: host}}}
+	}
+	pod := func(gw *workloadapi.GatewayAddress) *workloadapi.Workload {
+		return &workloadapi.Workload{Uid: "c//Pod/app/p", Name: "p", Namespace: "app", Network: "net1", Node: "n1",
+			Addresses: [][]byte{netip.MustParseAddr("10.0.0.7").AsSlice()}, TunnelProtocol: workloadapi.TunnelProtocol_HBONE, Waypoint: gw}
+	}
+	for _, tc := range []struct {
+		what string
+		gw   *workloadapi.GatewayAddress
+		want registry.Waypoint
+		err  string
+	}{
+		{"by address", byAddr("net1", "10.0.0.50", 15008), registry.Waypoint{Addr: netip.MustParseAddr("10.0.0.50"), Port: 15008}, ""},
+		{"port 0", byAddr("net1", "fd00::50", 0), registry.Waypoint{Addr: netip.MustParseAddr("fd00::50"), Port: 15008}, ""},
+		{"by hostname", byHost("infra", "wp.infra.svc.cluster.local"), registry.Waypoint{Hostname: "wp.infra.svc.cluster.local", Namespace: "infra", Port: 15008}, ""},
+		{"another network", byAddr("net2", "10.0.0.50", 15008), registry.Waypoint{}, `is on network "net2"`},
+		{"no namespace", byHost("", "wp.infra.svc.cluster.local"), registry.Waypoint{}, "both are required"},
+		{"no destination", &workloadapi.GatewayAddress{HboneMtlsPort: 15008}, registry.Waypoint{}, "without an address or a hostname"},
+	} {
+		out, err := c.workload(pod(tc.gw))
+		if tc.err != "" {
+			var r *refusal
+			if !errors.As(err, &r) || r.reason != RefusedWaypoint || !strings.Contains(err.Error(), tc.err) || out == nil || out.w.Refused != RefusedWaypoint {
+				t.Errorf("workload, %s: %v, %v; want refused (%s) with %q", tc.what, out, err, RefusedWaypoint, tc.err)
+			}
+		} else if err != nil || out.w.Refused != "" || out.w.Waypoint == nil || *out.w.Waypoint != tc.want {
+			t.Errorf("workload, %s: %+v, %v; want waypoint %+v", tc.what, out, err, tc.want)
+		}
+
+		in := &workloadapi.Service{Name: "web", Namespace: "app", Hostname: "web.app.svc.cluster.local", Waypoint: tc.gw,
+			Addresses: []*workloadapi.NetworkAddress{{Network: "net1", Address: netip.MustParseAddr("10.96.0.1").AsSlice()}},
+			Ports:     []*workloadapi.Port{{ServicePort: 80, TargetPort: 8080}}}
+		s, err := c.service(in)
+		if tc.err != "" {
+			if err == nil || !strings.Contains(err.Error(), tc.err) || !strings.Contains(err.Error(), "app/web.app.svc.cluster.local") {
+				t.Errorf("service, %s: %v, want an error naming it with %q", tc.what, err, tc.err)
+			}
+		} else if err != nil || s.s.Waypoint == nil || *s.s.Waypoint != tc.want {
+			t.Errorf("service, %s: %+v, %v; want waypoint %+v", tc.what, s, err, tc.want)
+		}
+	}
+
+	weighted := &workloadapi.Service{Name: "web", Namespace: "app", Hostname: "web.app.svc.cluster.local",
+		Addresses: []*workloadapi.NetworkAddress{{Network: "net1", Address: netip.MustParseAddr("10.96.0.1").AsSlice()}},
+		WeightedWaypoints: []*workloadapi.WeightedWaypoint{
+			{Destination: byHost("infra", "a.infra.svc.cluster.local"), Weight: 90},
+			{Destination: byAddr("net1", "10.0.0.51", 15008), Weight: 10},
+		}}
+	s, err := c.service(weighted)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ww := s.s.WeightedWaypoints; len(ww) != 2 || ww[0].Weight != 90 || ww[0].Waypoint.Hostname != "a.infra.svc.cluster.local" ||
+		ww[1].Weight != 10 || ww[1].Waypoint.Addr != netip.MustParseAddr("10.0.0.51") || s.s.Waypoint != nil {
+		t.Errorf("weighted waypoints: %+v", s.s)
+	}
+	weighted.WeightedWaypoints = append(weighted.WeightedWaypoints, &workloadapi.WeightedWaypoint{Weight: 1})
+	if _, err := c.service(weighted); err == nil || !strings.Contains(err.Error(), "weighted_waypoints[2]") {
+		t.Errorf("a weighted waypoint without destination: %v, want an error naming it", err)
 	}
 }

@@ -99,7 +99,7 @@ func TestXDSHealthMetrics(t *testing.T) {
 	// A workload behind a waypoint is NACKed.
 	waypointed := wl("default", "w", "10.0.0.9", "node2")
 	waypointed.GetWorkload().Waypoint = &workloadapi.GatewayAddress{
-		Destination:   &workloadapi.GatewayAddress_Address{Address: &workloadapi.NetworkAddress{Address: netip.MustParseAddr("10.0.0.50").AsSlice()}},
+		Destination:   &workloadapi.GatewayAddress_Address{Address: &workloadapi.NetworkAddress{Network: "elsewhere", Address: netip.MustParseAddr("10.0.0.50").AsSlice()}},
 		HboneMtlsPort: 15008,
 	}
 	must(f.addrs.UpdateResource("Kubernetes//Pod/default/w", waypointed))

@@ -270,7 +270,7 @@ func cpuTime() time.Duration {
 func TestRefusedWorkloadsOfThisNode(t *testing.T) {
 	f := newFakeIstiod(t)
 	waypoint := &workloadapi.GatewayAddress{
-		Destination:   &workloadapi.GatewayAddress_Address{Address: &workloadapi.NetworkAddress{Address: netip.MustParseAddr("10.0.0.50").AsSlice()}},
+		Destination:   &workloadapi.GatewayAddress_Address{Address: &workloadapi.NetworkAddress{Network: "elsewhere", Address: netip.MustParseAddr("10.0.0.50").AsSlice()}},
 		HboneMtlsPort: 15008,
 	}
 	local := wl("default", "local", "10.0.0.1", "node1")

@@ -9,7 +9,7 @@
 // Every response is converted resource by resource, and the source keeps
 // istiod's state as istiod last sent it, whatever it NACKs; the model is
 // built from that state. A resource meshtun cannot apply (a waypoint it
-// would bypass, another network, an unknown extension…) is NACKed with a
+// cannot reach, another network, an unknown extension…) is NACKed with a
 // message naming it and fails closed: a workload of this node that
 // meshtun refuses is captured and every connection to or from it denied
 // (a workload of another node is left out), and an authorization policy

@@ -329,7 +329,7 @@ func TestSourceAppliesACKsNACKsAndResubscribes(t *testing.T) {
 	// rest of the same push (a new workload) still applies.
 	waypointed := wl("default", "w", "10.0.0.9", "node1")
 	waypointed.GetWorkload().Waypoint = &workloadapi.GatewayAddress{
-		Destination:   &workloadapi.GatewayAddress_Address{Address: &workloadapi.NetworkAddress{Address: netip.MustParseAddr("10.0.0.50").AsSlice()}},
+		Destination:   &workloadapi.GatewayAddress_Address{Address: &workloadapi.NetworkAddress{Network: "elsewhere", Address: netip.MustParseAddr("10.0.0.50").AsSlice()}},
 		HboneMtlsPort: 15008,
 	}
 	must(f.addrs.UpdateResources(map[string]types.Resource{
