@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"syscall"
 
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"golang.org/x/sys/unix"
 
 	"github.com/meshtun/meshtun/mesh/registry"
@@ -18,8 +19,11 @@ import (
 // workload on another node through an HBONE stream. The client's handshake
 // completes only after the far end answered 200, i.e. after its upstream
 // connect succeeded; a refusal of any kind resets the client.
-func (p *Proxy) outbound(req *stack.TCPRequest, rec *record, target netip.AddrPort) {
-	endpoint := netip.AddrPortFrom(target.Addr(), hbone.Port)
+//
+// endpoint is the HBONE endpoint (the destination's, or its waypoint's,
+// port 15008), target the CONNECT :authority and peer the identity the
+// endpoint must present.
+func (p *Proxy) outbound(req *stack.TCPRequest, rec *record, endpoint, target netip.AddrPort, peer spiffeid.ID) {
 	rec.hboneAddr = endpoint.String()
 	var from netip.Addr
 	if p.cfg.HBONEFromPod != nil && p.cfg.HBONEFromPod(req.Src.Addr()) {
@@ -29,7 +33,7 @@ func (p *Proxy) outbound(req *stack.TCPRequest, rec *record, target netip.AddrPo
 	up, err := p.cfg.HBONE.Dial(ctx, hbone.DialRequest{
 		From:        from,
 		Source:      rec.srcW.Identity,
-		Destination: rec.dstW.Identity,
+		Destination: peer,
 		Endpoint:    endpoint,
 		Target:      target,
 		Forwarded:   hbone.Forwarded{For: req.Src, Host: rec.service},
@@ -43,6 +47,37 @@ func (p *Proxy) outbound(req *stack.TCPRequest, rec *record, target netip.AddrPo
 		return
 	}
 	p.relayAccepted(rec, req, up, nil)
+}
+
+// viaWaypoint sends a connection of the local workload src that must
+// cross waypoint wp (the waypoint of svc, the service at the connection's
+// VIP, or of dst, the workload at its address) to the waypoint, as
+// ztunnel does: over HBONE to one of the waypoint's workloads (its
+// address, port 15008), whose identity it must present, with the original
+// destination (the VIP and port, or the workload's address and port) as
+// the CONNECT target. A waypoint that cannot be resolved refuses the
+// connection (a reset, response_flags UH, the reason in the access log):
+// it never goes to its destination another way.
+func (p *Proxy) viaWaypoint(snap *registry.Snapshot, req *stack.TCPRequest, src, dst *registry.Workload, svc *registry.Service, wp *registry.Waypoint) {
+	hop, err := snap.ResolveWaypoint(wp, src, req.Dst.Addr())
+	to := hop.Workload
+	if to == nil {
+		to = dst
+	}
+	rec := p.newRecord(req.Src, req.Dst, src, to, "outbound", "waypoint").via(req.Dst, svc)
+	switch {
+	case err != nil:
+	case p.cfg.HBONE == nil:
+		err = &registry.WaypointError{Waypoint: wp, Reason: "this node has no HBONE client"}
+	case p.uncertified(src):
+		err = &noCertificateError{src}
+	}
+	if err != nil {
+		req.Reject()
+		rec.refused(err)
+		return
+	}
+	p.outbound(req, rec, hop.Endpoint, req.Dst, hop.Workload.Identity)
 }
 
 // sameNode carries a connection between two mesh workloads of this node.

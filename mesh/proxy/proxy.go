@@ -204,6 +204,15 @@ func (p *Proxy) outboundFrom(snap *registry.Snapshot, req *stack.TCPRequest, src
 		p.newRecord(req.Src, req.Dst, src, dst, "outbound", "refused").refused(&refusedWorkloadError{src})
 		return
 	}
+	// To a service with a waypoint: to the waypoint, whatever the port
+	// (ztunnel looks the service up by address alone), unless the client
+	// is that waypoint.
+	if svc := waypointService(snap, req.Dst, src.Namespace); svc != nil {
+		if wp := svc.PickWaypoint(); !snap.IsWaypoint(wp, src, req.Src.Addr()) {
+			p.viaWaypoint(snap, req, src, nil, svc, wp)
+			return
+		}
+	}
 	svc, target, dst, err := serviceTarget(snap, req.Dst, src, dst)
 	if ue := (*unresolvedError)(nil); errors.As(err, &ue) {
 		target, dst, err = p.resolveEndpoint(snap, ue, req.Dst.Addr(), target.Port())
@@ -220,6 +229,11 @@ func (p *Proxy) outboundFrom(snap *registry.Snapshot, req *stack.TCPRequest, src
 		// plaintext nor a tunnel to an identity the model cannot vouch for.
 		req.Reject()
 		p.newRecord(req.Src, req.Dst, src, dst, "outbound", "refused").via(target, svc).refused(&refusedWorkloadError{dst})
+	case svc == nil && dst != nil && dst.Waypoint != nil && !snap.IsWaypoint(dst.Waypoint, src, req.Src.Addr()):
+		// To a workload's own address, one with a waypoint: to the
+		// waypoint (not when the client is the waypoint itself, which
+		// is sending the connection on).
+		p.viaWaypoint(snap, req, src, dst, nil, dst.Waypoint)
 	case dst != nil && dst.InMesh && p.cfg.HBONE != nil && (p.uncertified(src) || dst.Node == p.cfg.Node && p.uncertified(dst)):
 		// Never plaintext, never without the identity's certificate.
 		req.Reject()
@@ -231,10 +245,26 @@ func (p *Proxy) outboundFrom(snap *registry.Snapshot, req *stack.TCPRequest, src
 	case dst != nil && dst.InMesh && p.cfg.HBONE != nil && dst.Node == p.cfg.Node:
 		p.sameNode(snap, req, p.newRecord(req.Src, req.Dst, src, dst, "outbound", "local").via(target, svc), target)
 	case dst != nil && dst.InMesh && p.cfg.HBONE != nil:
-		p.outbound(req, p.newRecord(req.Src, req.Dst, src, dst, "outbound", "hbone").via(target, svc), target)
+		p.outbound(req, p.newRecord(req.Src, req.Dst, src, dst, "outbound", "hbone").via(target, svc),
+			netip.AddrPortFrom(target.Addr(), hbone.Port), target, dst.Identity)
 	default:
 		p.passthrough(p.newRecord(req.Src, req.Dst, src, dst, "outbound", "passthrough").via(target, svc), req, target, true)
 	}
+}
+
+// waypointService returns the service at dst's address for a client of
+// namespace ns if it has a waypoint, else nil. Like ztunnel, it looks the
+// service up by address alone: a port the service does not have goes to
+// the waypoint too.
+func waypointService(snap *registry.Snapshot, dst netip.AddrPort, ns string) *registry.Service {
+	svc, _ := snap.ServiceFor(dst, ns)
+	if svc == nil {
+		svc = snap.ServiceByVIP(dst.Addr())
+	}
+	if svc == nil || !svc.HasWaypoint() {
+		return nil
+	}
+	return svc
 }
 
 // serviceTarget resolves an outbound connection of the workload src to

@@ -62,7 +62,7 @@ func (p *Proxy) newRecord(src, dst netip.AddrPort, srcW, dstW *registry.Workload
 		r.srcID = srcW.Identity.String()
 	}
 	switch route {
-	case "hbone":
+	case "hbone", "waypoint":
 		r.secure = true
 		if direction == "outbound" {
 			r.reporters = []string{"source"}
@@ -248,7 +248,7 @@ func responseFlags(err error) string {
 		return "DENY"
 	case errors.As(err, &tf):
 		return "TLS_FAILURE"
-	case errors.Is(err, errNoEndpoint):
+	case errors.Is(err, errNoEndpoint), errors.As(err, new(*registry.WaypointError)):
 		return "UH"
 	case errors.As(err, new(*unresolvedError)):
 		return "DF"
