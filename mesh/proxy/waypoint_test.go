@@ -11,6 +11,7 @@ import (
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"gvisor.dev/gvisor/pkg/tcpip/header"
 
+	"github.com/meshtun/meshtun/mesh/policy"
 	"github.com/meshtun/meshtun/mesh/registry"
 	"github.com/meshtun/meshtun/protocols/hbone"
 )
@@ -137,4 +138,72 @@ func TestOutboundViaWaypoint(t *testing.T) {
 			t.Errorf("%s: the HBONE peer to verify is %q, want %q", c.what, got, c.peer)
 		}
 	}
+}
+
+// TestInboundFromWaypoint: HBONE from a workload's waypoint is inbound
+// like any other, as in ztunnel: the node authorizes it by the waypoint's
+// identity and address (the client's are the waypoint's business), and
+// delivers it from the waypoint's address. The node does not require the
+// waypoint: a client that connects directly is authorized by the same
+// policies (istiod's, which can allow only the waypoint), not refused
+// for bypassing it.
+func TestInboundFromWaypoint(t *testing.T) {
+	e := newInboundEnv(t)
+	// d/pod (127.0.0.3, dialling from its own address) is b/server's
+	// waypoint; b/server allows only the waypoint's identity.
+	ws := append([]*registry.Workload(nil), e.snap.Workloads...)
+	for i, w := range ws {
+		if w.Name == "server" {
+			c := *w
+			c.Waypoint = &registry.Waypoint{Addr: podAddr, Port: 15008}
+			ws[i] = &c
+		}
+	}
+	allow, err := policy.New(policy.Policy{Name: "only-waypoint", Namespace: "b", Action: policy.Allow,
+		Rules: []policy.Rule{{From: []policy.Source{{Principals: []string{strings.TrimPrefix(e.pod.String(), "spiffe://")}}}}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	build := func(ps ...*policy.Policy) {
+		snap, err := registry.Build(registry.Model{TrustDomain: testTD, Workloads: ws, Policies: ps})
+		if err != nil {
+			t.Fatal(err)
+		}
+		e.p.cfg.Registry.Store(snap)
+	}
+	build(allow)
+
+	// From the waypoint: authorized, dialled from the waypoint's address.
+	se := e.dialFrom(t, e.pod, podAddr, netip.AddrPortFrom(clientAddr, 40020))
+	if se.Code != 503 {
+		t.Errorf("CONNECT from the waypoint: %d, want 503 (allowed; the test's netstack refuses the dial)", se.Code)
+	}
+	if d := e.nextDial(t); d.src.Addr() != podAddr || d.dst != targetServer {
+		t.Errorf("dialled %s -> %s, want from the waypoint's address %s to %s", d.src, d.dst, podAddr, targetServer)
+	}
+	if rec := e.lastRecord(t); rec["src.identity"] != e.pod.String() || rec["src.workload"] != "pod" {
+		t.Errorf("access log %v, want the waypoint as the source", rec)
+	}
+
+	// Directly from the client: the policy denies it.
+	se = e.dialFrom(t, e.client, netip.Addr{}, netip.AddrPort{})
+	if se.Code != 401 && se.Code != 403 {
+		t.Errorf("CONNECT from the client, bypassing the waypoint: %d, want a denial by policy", se.Code)
+	}
+	if rec := e.lastRecord(t); rec["response_flags"] != "DENY" || rec["src.identity"] != e.client.String() {
+		t.Errorf("access log %v, want a denial (DENY) of the client", rec)
+	}
+	select {
+	case d := <-e.dialer.calls:
+		t.Errorf("the denied connection was dialled: %s -> %s", d.src, d.dst)
+	default:
+	}
+
+	// Without that policy the node lets the client in: the waypoint is
+	// not the node's to enforce (ztunnel's inbound does not either).
+	build()
+	if se := e.dialFrom(t, e.client, netip.Addr{}, netip.AddrPort{}); se.Code != 503 {
+		t.Errorf("CONNECT from the client without a policy: %d, want 503 (allowed)", se.Code)
+	}
+	e.nextDial(t)
 }
