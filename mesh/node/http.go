@@ -184,6 +184,9 @@ type workloadDump struct {
 	// Refused says why meshtun refuses the workload (captured, every
 	// connection denied), if it does.
 	Refused string `json:"refused,omitempty"`
+	// Waypoint is the workload's waypoint ("address:port" or
+	// "namespace/hostname:port"), if it has one.
+	Waypoint string `json:"waypoint,omitempty"`
 	// Blocked says why a local workload's mesh connections are refused
 	// for now (BlockedReasonNoCertificate), if they are.
 	Blocked string `json:"blocked,omitempty"`
@@ -197,6 +200,10 @@ type serviceDump struct {
 	CIDRs     []netip.Prefix         `json:"vipRanges,omitempty"`
 	Ports     []registry.ServicePort `json:"ports"`
 	Endpoints []string               `json:"endpoints"`
+	// Waypoint is the service's waypoint, if it has one; its weighted
+	// waypoints are "<waypoint> weight <n>".
+	Waypoint          string   `json:"waypoint,omitempty"`
+	WeightedWaypoints []string `json:"weightedWaypoints,omitempty"`
 }
 
 type certificateDump struct {
@@ -229,6 +236,9 @@ func (n *node) configDump(w http.ResponseWriter, r *http.Request) {
 		wd := workloadDump{Name: wl.Name, Namespace: wl.Namespace, ServiceAccount: wl.ServiceAccount, Node: wl.Node,
 			Addresses: wl.Addresses, Labels: wl.Labels, InMesh: wl.InMesh, PeerAuthentication: wl.PeerAuth.String(),
 			ProbePorts: wl.ProbePorts, Refused: wl.Refused}
+		if wl.Waypoint != nil {
+			wd.Waypoint = wl.Waypoint.String()
+		}
 		for port, m := range wl.PortPeerAuth {
 			if wd.PortPeerAuthentication == nil {
 				wd.PortPeerAuthentication = make(map[uint16]string, len(wl.PortPeerAuth))
@@ -245,6 +255,13 @@ func (n *node) configDump(w http.ResponseWriter, r *http.Request) {
 	}
 	for _, s := range snap.Services {
 		sd := serviceDump{Name: s.Name, Namespace: s.Namespace, Hostname: s.Hostname, VIPs: s.VIPs, CIDRs: s.CIDRs, Ports: s.Ports, Endpoints: []string{}}
+		if s.Waypoint != nil {
+			sd.Waypoint = s.Waypoint.String()
+		}
+		for i := range s.WeightedWaypoints {
+			ww := &s.WeightedWaypoints[i]
+			sd.WeightedWaypoints = append(sd.WeightedWaypoints, fmt.Sprintf("%s weight %d", &ww.Waypoint, ww.Weight))
+		}
 		for _, vip := range s.Families() {
 			for _, ep := range s.Endpoints(vip) {
 				at := ep.Addr.String()

@@ -120,6 +120,36 @@ type ztWorkload struct {
 	Locality              *ztLocality  `json:"locality,omitempty"`
 	Services              []string     `json:"services,omitempty"`
 	Capacity              int          `json:"capacity"`
+	Waypoint              *ztGateway   `json:"waypoint,omitempty"`
+}
+
+// ztGateway is ztunnel's GatewayAddress: its destination is
+// "network/address" or "namespace/hostname".
+type ztGateway struct {
+	Destination   string `json:"destination"`
+	HboneMtlsPort uint16 `json:"hboneMtlsPort"`
+}
+
+// ztWeightedWaypoint is one of a service's weighted waypoints.
+type ztWeightedWaypoint struct {
+	Destination ztGateway `json:"destination"`
+	Weight      uint32    `json:"weight"`
+}
+
+// ztGatewayOf renders a waypoint as ztunnel does (the network, one, is
+// empty, as in the VIPs); nil for none.
+func ztGatewayOf(wp *registry.Waypoint) *ztGateway {
+	if wp == nil {
+		return nil
+	}
+	g := &ztGateway{Destination: wp.Namespace + "/" + wp.Hostname, HboneMtlsPort: wp.Port}
+	if wp.Addr.IsValid() {
+		g.Destination = "/" + wp.Addr.String()
+	}
+	if g.HboneMtlsPort == 0 {
+		g.HboneMtlsPort = registry.DefaultWaypointPort
+	}
+	return g
 }
 
 // ztLocality is a workload's locality; ztunnel leaves it out when empty.
@@ -141,8 +171,10 @@ type ztService struct {
 	// Endpoints are keyed by workload uid.
 	Endpoints map[string]ztEndpoint `json:"endpoints"`
 	// SubjectAltNames are the identities of the endpoints.
-	SubjectAltNames []string `json:"subjectAltNames,omitempty"`
-	IPFamilies      string   `json:"ipFamilies,omitempty"`
+	SubjectAltNames   []string             `json:"subjectAltNames,omitempty"`
+	IPFamilies        string               `json:"ipFamilies,omitempty"`
+	Waypoint          *ztGateway           `json:"waypoint,omitempty"`
+	WeightedWaypoints []ztWeightedWaypoint `json:"weightedWaypoints,omitempty"`
 }
 
 type ztEndpoint struct {
@@ -354,7 +386,11 @@ func ztunnelDump(snap *registry.Snapshot, svids *identity.Source) ztDump {
 	for _, s := range snap.Services {
 		key := s.Namespace + "/" + s.Hostname
 		zs := ztService{Name: s.Name, Namespace: s.Namespace, Hostname: s.Hostname, VIPs: []string{},
-			Ports: map[string]uint16{}, Endpoints: map[string]ztEndpoint{}}
+			Ports: map[string]uint16{}, Endpoints: map[string]ztEndpoint{}, Waypoint: ztGatewayOf(s.Waypoint)}
+		for i := range s.WeightedWaypoints {
+			ww := &s.WeightedWaypoints[i]
+			zs.WeightedWaypoints = append(zs.WeightedWaypoints, ztWeightedWaypoint{Destination: *ztGatewayOf(&ww.Waypoint), Weight: ww.Weight})
+		}
 		ports := map[string]uint16{}
 		for _, p := range s.Ports {
 			ports[strconv.Itoa(int(p.Port))] = p.TargetPort
@@ -394,7 +430,7 @@ func ztunnelDump(snap *registry.Snapshot, svids *identity.Source) ztDump {
 		zw := ztWorkload{UID: ztUID(w), WorkloadIPs: w.Addresses, Protocol: "TCP", NetworkMode: "Standard",
 			Name: w.Name, Namespace: w.Namespace, ServiceAccount: w.ServiceAccount,
 			WorkloadName: w.WorkloadName, WorkloadType: w.WorkloadType, Node: w.Node,
-			Status: "Healthy", ClusterID: w.Cluster, Services: svcsOf[w], Capacity: 1}
+			Status: "Healthy", ClusterID: w.Cluster, Services: svcsOf[w], Capacity: 1, Waypoint: ztGatewayOf(w.Waypoint)}
 		if w.Capacity > 0 {
 			zw.Capacity = int(w.Capacity)
 		}

@@ -222,3 +222,51 @@ func TestZtunnelWorkloadState(t *testing.T) {
 		t.Errorf("client's state %+v", c)
 	}
 }
+
+// TestZtunnelDumpWaypoints: workloads' and services' waypoints appear as
+// ztunnel writes them: {"destination": "network/address" or
+// "namespace/hostname", "hboneMtlsPort"}, weighted ones with their
+// weight; none, no key.
+func TestZtunnelDumpWaypoints(t *testing.T) {
+	td := spiffeid.RequireTrustDomainFromString("cluster.local")
+	a := netip.MustParseAddr
+	snap, err := registry.Build(registry.Model{TrustDomain: td,
+		Workloads: []*registry.Workload{
+			{Name: "web", Namespace: "ns", Node: "n1", InMesh: true, Addresses: []netip.Addr{a("10.0.0.1")},
+				Waypoint: &registry.Waypoint{Addr: a("10.0.0.9"), Port: 15008}},
+			{Name: "plain", Namespace: "ns", Node: "n1", InMesh: true, Addresses: []netip.Addr{a("10.0.0.2")}},
+		},
+		Services: []*registry.Service{{Name: "web", Namespace: "ns", VIPs: []netip.Addr{a("10.96.0.1")},
+			Ports:    []registry.ServicePort{{Port: 80}},
+			Waypoint: &registry.Waypoint{Hostname: "wp.infra.svc.cluster.local", Namespace: "infra", Port: 15008},
+			WeightedWaypoints: []registry.WeightedWaypoint{
+				{Waypoint: registry.Waypoint{Hostname: "wp2.infra.svc.cluster.local", Namespace: "infra"}, Weight: 10}}}},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := json.Marshal(ztunnelDump(snap, nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var d struct {
+		Workloads []map[string]any `json:"workloads"`
+		Services  []map[string]any `json:"services"`
+	}
+	if err := json.Unmarshal(b, &d); err != nil {
+		t.Fatal(err)
+	}
+	js := func(v any) string { b, _ := json.Marshal(v); return string(b) }
+	if got := js(d.Workloads[0]["waypoint"]); got != `{"destination":"/10.0.0.9","hboneMtlsPort":15008}` {
+		t.Errorf("workload waypoint %s", got)
+	}
+	if _, ok := d.Workloads[1]["waypoint"]; ok {
+		t.Errorf("a workload without a waypoint has one: %v", d.Workloads[1])
+	}
+	if got := js(d.Services[0]["waypoint"]); got != `{"destination":"infra/wp.infra.svc.cluster.local","hboneMtlsPort":15008}` {
+		t.Errorf("service waypoint %s", got)
+	}
+	if got := js(d.Services[0]["weightedWaypoints"]); got != `[{"destination":{"destination":"infra/wp2.infra.svc.cluster.local","hboneMtlsPort":15008},"weight":10}]` {
+		t.Errorf("service weighted waypoints %s", got)
+	}
+}
