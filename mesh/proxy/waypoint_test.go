@@ -138,6 +138,27 @@ func TestOutboundViaWaypoint(t *testing.T) {
 			t.Errorf("%s: the HBONE peer to verify is %q, want %q", c.what, got, c.peer)
 		}
 	}
+	// The three unresolved waypoints are counted as failed connections.
+	fams, err := e.p.cfg.Metrics.Registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var failedUH float64
+	for _, f := range fams {
+		if f.GetName() != "istio_tcp_connections_failed_total" {
+			continue
+		}
+		for _, mt := range f.GetMetric() {
+			for _, l := range mt.GetLabel() {
+				if l.GetName() == "response_flags" && l.GetValue() == "UH" {
+					failedUH += mt.GetCounter().GetValue()
+				}
+			}
+		}
+	}
+	if failedUH != 3 {
+		t.Errorf("istio_tcp_connections_failed_total{response_flags=UH} = %v, want 3", failedUH)
+	}
 }
 
 // TestInboundFromWaypoint: HBONE from a workload's waypoint is inbound
