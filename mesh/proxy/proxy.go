@@ -7,6 +7,10 @@
 //   - outbound to a mesh workload on this node: handed over inside the
 //     proxy, never leaving it (authorized as if it had crossed HBONE);
 //   - to a service VIP: an endpoint is picked, then as above;
+//   - to a service with a waypoint, or to the address of a workload with
+//     one: an HBONE stream to the waypoint (port 15008, its identity
+//     required), the original destination as its target; reset if the
+//     waypoint cannot be resolved (waypoint.go in package registry);
 //   - inbound HBONE to a local workload: TLS terminated, the peer's
 //     identity checked, authorized, and the stream delivered to the
 //     workload from the original client's address through the netstack;
