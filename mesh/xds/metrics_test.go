@@ -96,7 +96,7 @@ func TestXDSHealthMetrics(t *testing.T) {
 		t.Error("a last NACK time before any NACK")
 	}
 
-	// A workload behind a waypoint is NACKed.
+	// A workload behind a waypoint on another network is NACKed.
 	waypointed := wl("default", "w", "10.0.0.9", "node2")
 	waypointed.GetWorkload().Waypoint = &workloadapi.GatewayAddress{
 		Destination:   &workloadapi.GatewayAddress_Address{Address: &workloadapi.NetworkAddress{Network: "elsewhere", Address: netip.MustParseAddr("10.0.0.50").AsSlice()}},

@@ -325,8 +325,9 @@ func TestSourceAppliesACKsNACKsAndResubscribes(t *testing.T) {
 		t.Errorf("a denies c: %v", d)
 	}
 
-	// A workload behind a waypoint is refused with a NACK naming it; the
-	// rest of the same push (a new workload) still applies.
+	// A workload behind a waypoint on another network is refused with a
+	// NACK naming it; the rest of the same push (a new workload) still
+	// applies.
 	waypointed := wl("default", "w", "10.0.0.9", "node1")
 	waypointed.GetWorkload().Waypoint = &workloadapi.GatewayAddress{
 		Destination:   &workloadapi.GatewayAddress_Address{Address: &workloadapi.NetworkAddress{Network: "elsewhere", Address: netip.MustParseAddr("10.0.0.50").AsSlice()}},
