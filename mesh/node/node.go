@@ -140,7 +140,7 @@ const NoInterceptWarning = "--no-intercept: NOTHING IS ENFORCED: no mTLS, no aut
 func localWorkloads(s *registry.Snapshot, name string) []*registry.Workload {
 	var out []*registry.Workload
 	for _, w := range s.Workloads {
-		if w.InMesh && w.Node == name {
+		if w.CapturedBy(name) {
 			out = append(out, w)
 		}
 	}
@@ -353,7 +353,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 		Inbound: hbone.ServerConfig{
 			TLS: identity.ServerTLS(n.svids, td, func(local netip.Addr) (spiffeid.ID, bool) {
 				w := n.reg.Load().Workload(local)
-				if w == nil || !w.InMesh || w.Node != cfg.Name || w.Refused != "" || !n.hasCertificate(w.Identity) {
+				if !w.CapturedBy(cfg.Name) || w.Refused != "" || !n.hasCertificate(w.Identity) {
 					return spiffeid.ID{}, false
 				}
 				return w.Identity, true

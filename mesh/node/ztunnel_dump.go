@@ -73,7 +73,7 @@ const maxListedConns = 10000
 func ztWorkloadStates(snap *registry.Snapshot, node string, conns []proxy.OpenConn) map[string]ztWorkloadState {
 	states := map[string]ztWorkloadState{}
 	for _, w := range snap.Workloads {
-		if !w.InMesh || w.Node != node {
+		if !w.CapturedBy(node) {
 			continue
 		}
 		states[ztUID(w)] = ztWorkloadState{

@@ -45,7 +45,7 @@ const (
 // (their replies must stay verbatim).
 func Decide(snap *registry.Snapshot, node string, src, dst netip.AddrPort, fromNode func(netip.Addr) bool) (f Flow, sw, dw *registry.Workload) {
 	sw, dw = snap.Workload(src.Addr()), snap.Workload(dst.Addr())
-	local := func(w *registry.Workload) bool { return w != nil && w.InMesh && w.Node == node }
+	local := func(w *registry.Workload) bool { return w.CapturedBy(node) }
 	switch {
 	case local(dw) && dst.Port() == hbone.Port:
 		return InboundHBONE, sw, dw

@@ -74,6 +74,7 @@ func TestCapturePolicy(t *testing.T) {
 			{Name: "guarded", Namespace: "guarded", Node: "n1", InMesh: true, Addresses: []netip.Addr{a("198.18.1.3")}},
 			{Name: "plain", Namespace: "default", Node: "n1", InMesh: false, PeerAuth: registry.Strict, Addresses: []netip.Addr{a("198.18.1.4")}},
 			{Name: "remote", Namespace: "default", Node: "n2", InMesh: true, PeerAuth: registry.Strict, Addresses: []netip.Addr{a("198.18.2.1")}},
+			{Name: "waypoint", Namespace: "default", Node: "n1", InMesh: true, NativeTunnel: true, PeerAuth: registry.Strict, Addresses: []netip.Addr{a("198.18.1.5")}},
 		},
 		Policies: []*policy.Policy{deny},
 	})
@@ -100,6 +101,10 @@ func TestCapturePolicy(t *testing.T) {
 		{"from a mesh workload of another node", "198.18.2.1:40000", "198.18.9.9:80", false},
 		{"HBONE to another node's workload", "198.18.9.9:40000", "198.18.2.1:15008", false},
 		{"between unknown addresses", "198.18.9.8:40000", "198.18.9.9:80", false},
+		{"HBONE to a local waypoint (it terminates HBONE itself)", "198.18.9.9:40000", "198.18.1.5:15008", false},
+		{"plaintext to a local STRICT waypoint", "198.18.9.9:40000", "198.18.1.5:80", false},
+		{"from a local waypoint", "198.18.1.5:40000", "198.18.9.9:80", false},
+		{"from a local mesh workload to a local waypoint", "198.18.1.1:40000", "198.18.1.5:15008", true},
 	} {
 		if got := take.InterceptTCP(ap(tc.src), ap(tc.dst)); got != tc.want {
 			t.Errorf("%s: %s -> %s intercepted %v, want %v", tc.name, tc.src, tc.dst, got, tc.want)

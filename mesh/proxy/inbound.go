@@ -91,7 +91,7 @@ func (p *Proxy) connect(ctx context.Context, r *hbone.Request) (net.Conn, error)
 	if p.draining.Load() {
 		return fail(hbone.ErrUnreachable, errDraining)
 	}
-	if dst == nil || !dst.InMesh || dst.Node != p.cfg.Node {
+	if !dst.CapturedBy(p.cfg.Node) {
 		return fail(hbone.ErrBadRequest, fmt.Errorf("target %s is not a mesh workload on this node", r.Target))
 	}
 	if snap.Workload(r.LocalAddr.Addr()) != dst {

@@ -195,7 +195,7 @@ func (p *Proxy) HandleTCP(req *stack.TCPRequest) {
 }
 
 func (p *Proxy) local(w *registry.Workload) bool {
-	return w != nil && w.InMesh && w.Node == p.cfg.Node
+	return w.CapturedBy(p.cfg.Node)
 }
 
 // outboundFrom routes a connection opened by a local mesh workload: to a
@@ -238,7 +238,7 @@ func (p *Proxy) outboundFrom(snap *registry.Snapshot, req *stack.TCPRequest, src
 		// waypoint (not when the client is the waypoint itself, which
 		// is sending the connection on).
 		p.viaWaypoint(snap, req, src, dst, nil, dst.Waypoint)
-	case dst != nil && dst.InMesh && p.cfg.HBONE != nil && (p.uncertified(src) || dst.Node == p.cfg.Node && p.uncertified(dst)):
+	case dst != nil && dst.InMesh && p.cfg.HBONE != nil && (p.uncertified(src) || p.local(dst) && p.uncertified(dst)):
 		// Never plaintext, never without the identity's certificate.
 		req.Reject()
 		blocked := src
@@ -246,7 +246,7 @@ func (p *Proxy) outboundFrom(snap *registry.Snapshot, req *stack.TCPRequest, src
 			blocked = dst
 		}
 		p.newRecord(req.Src, req.Dst, src, dst, "outbound", "no-certificate").via(target, svc).refused(&noCertificateError{blocked})
-	case dst != nil && dst.InMesh && p.cfg.HBONE != nil && dst.Node == p.cfg.Node:
+	case p.local(dst) && p.cfg.HBONE != nil:
 		p.sameNode(snap, req, p.newRecord(req.Src, req.Dst, src, dst, "outbound", "local").via(target, svc), target)
 	case dst != nil && dst.InMesh && p.cfg.HBONE != nil:
 		p.outbound(req, p.newRecord(req.Src, req.Dst, src, dst, "outbound", "hbone").via(target, svc),

@@ -76,8 +76,12 @@ type Workload struct {
 	// InMesh: the workload's traffic is captured by a meshtun (or
 	// ztunnel) node proxy and reachable over HBONE. A workload outside the
 	// mesh is known (for services and policy) but reached in plaintext.
-	InMesh   bool
-	PeerAuth PeerAuth
+	InMesh bool
+	// NativeTunnel: the workload terminates HBONE itself (an Istio
+	// waypoint). It is in the mesh for its clients, who reach it over
+	// HBONE, but no node proxy captures it (CapturedBy).
+	NativeTunnel bool
+	PeerAuth     PeerAuth
 	// PortPeerAuth overrides PeerAuth on some of the workload's ports
 	// (port-level peer authentication).
 	PortPeerAuth map[uint16]PeerAuth
@@ -134,6 +138,14 @@ type Workload struct {
 
 // String returns namespace/name.
 func (w *Workload) String() string { return w.Namespace + "/" + w.Name }
+
+// CapturedBy reports whether the node proxy of node captures w: a mesh
+// workload of that node that does not terminate HBONE itself. Such a
+// workload's traffic goes through that node's proxy both ways, and the
+// proxy holds its certificate.
+func (w *Workload) CapturedBy(node string) bool {
+	return w != nil && w.InMesh && !w.NativeTunnel && w.Node != "" && w.Node == node
+}
 
 // Workload returns the name Istio's telemetry reports for the workload:
 // the owning object's (WorkloadName) when known, else the workload's own.

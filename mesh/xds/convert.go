@@ -106,14 +106,14 @@ func (c *converter) workload(in *workloadapi.Workload) (*workload, error) {
 	// owner…) are interned: istiod repeats them in every resource.
 	w := &registry.Workload{
 		Name: in.Name, Namespace: intern(in.Namespace), ServiceAccount: intern(in.ServiceAccount), Node: intern(in.Node),
+		InMesh: in.TunnelProtocol == workloadapi.TunnelProtocol_HBONE,
 		// A workload with a native tunnel (a waypoint) terminates HBONE
-		// itself and is captured by no node proxy (istio-cni leaves it
-		// alone: istio.io/dataplane-mode=none): not the node's to
-		// capture or to hold a certificate for. Connections that must
-		// cross it as a waypoint reach it over HBONE all the same.
-		InMesh:   in.TunnelProtocol == workloadapi.TunnelProtocol_HBONE && !in.NativeTunnel,
-		PeerAuth: c.peer,
-		UID:      in.Uid, WorkloadName: intern(in.WorkloadName), WorkloadType: workloadType(in.WorkloadType),
+		// itself: its clients reach it over HBONE, and no node proxy
+		// captures it or holds its certificate (istio-cni leaves it
+		// alone: istio.io/dataplane-mode=none).
+		NativeTunnel: in.NativeTunnel,
+		PeerAuth:     c.peer,
+		UID:          in.Uid, WorkloadName: intern(in.WorkloadName), WorkloadType: workloadType(in.WorkloadType),
 		CanonicalName: intern(in.CanonicalName), CanonicalRevision: intern(in.CanonicalRevision), Cluster: intern(in.ClusterId),
 	}
 	if len(in.Addresses) > 0 {

@@ -218,18 +218,19 @@ func TestWaypointConversion(t *testing.T) {
 }
 
 // A waypoint's own workload (native_tunnel: it terminates HBONE itself)
-// is not captured by its node: not in the mesh for meshtun, so that the
-// node neither intercepts its port 15008 nor issues its certificate.
+// is in the mesh for its clients (reached over HBONE, never in
+// plaintext) but captured by no node: its node neither intercepts its
+// port 15008 nor holds its certificate.
 func TestNativeTunnelNotCaptured(t *testing.T) {
 	c := &converter{td: spiffeid.RequireTrustDomainFromString("cluster.local"), network: "net1", root: "istio-system"}
 	in := &workloadapi.Workload{Uid: "c//Pod/infra/wp", Name: "wp", Namespace: "infra", Network: "net1", Node: "n1",
 		Addresses: [][]byte{netip.MustParseAddr("10.0.0.5").AsSlice()}, TunnelProtocol: workloadapi.TunnelProtocol_HBONE}
 	out, err := c.workload(in)
-	if err != nil || !out.w.InMesh {
-		t.Fatalf("an HBONE workload: %+v, %v; want in the mesh", out, err)
+	if err != nil || !out.w.InMesh || !out.w.CapturedBy("n1") {
+		t.Fatalf("an HBONE workload: %+v, %v; want in the mesh, captured by n1", out, err)
 	}
 	in.NativeTunnel = true
-	if out, err = c.workload(in); err != nil || out.w.InMesh {
-		t.Errorf("a native-tunnel workload: %+v, %v; want known, not in the mesh", out, err)
+	if out, err = c.workload(in); err != nil || !out.w.InMesh || out.w.CapturedBy("n1") {
+		t.Errorf("a native-tunnel workload: %+v, %v; want in the mesh, captured by no node", out, err)
 	}
 }
