@@ -103,7 +103,22 @@ func WriteProbeImage(ctx context.Context, dir, out string) error {
 	if err != nil {
 		return err
 	}
-	img, err := mutate.AppendLayers(empty.Image, l)
+	return writeImage(out, ProbeImage, imageConfig{Entrypoint: []string{"/probe"}, Cmd: []string{"sleep"}}, l)
+}
+
+// imageConfig is what writeImage sets in an image's config besides
+// linux/amd64.
+type imageConfig struct {
+	Entrypoint, Cmd, Env []string
+}
+
+// systemPath is the PATH of the images built on a Debian root.
+var systemPath = []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+
+// writeImage writes the image of layers (on an empty base) as ref, a
+// linux/amd64 docker-archive at out, for kind load image-archive.
+func writeImage(out, ref string, cfg imageConfig, layers ...v1.Layer) error {
+	img, err := mutate.AppendLayers(empty.Image, layers...)
 	if err != nil {
 		return err
 	}
@@ -113,14 +128,13 @@ func WriteProbeImage(ctx context.Context, dir, out string) error {
 	}
 	cf = cf.DeepCopy()
 	cf.OS, cf.Architecture = "linux", "amd64"
-	cf.Config.Entrypoint = []string{"/probe"}
-	cf.Config.Cmd = []string{"sleep"}
+	cf.Config.Entrypoint, cf.Config.Cmd, cf.Config.Env = cfg.Entrypoint, cfg.Cmd, cfg.Env
 	if img, err = mutate.ConfigFile(img, cf); err != nil {
 		return err
 	}
-	ref, err := name.ParseReference(ProbeImage)
+	r, err := name.ParseReference(ref)
 	if err != nil {
-		return err
+		return fmt.Errorf("image reference %q: %w", ref, err)
 	}
-	return tarball.MultiRefWriteToFile(out, map[name.Reference]v1.Image{ref: img})
+	return tarball.MultiRefWriteToFile(out, map[name.Reference]v1.Image{r: img})
 }

@@ -10,12 +10,6 @@ import (
 	"path/filepath"
 	"strings"
 	"time"
-
-	"github.com/google/go-containerregistry/pkg/name"
-	v1 "github.com/google/go-containerregistry/pkg/v1"
-	"github.com/google/go-containerregistry/pkg/v1/empty"
-	"github.com/google/go-containerregistry/pkg/v1/mutate"
-	"github.com/google/go-containerregistry/pkg/v1/tarball"
 )
 
 // IstiodImage is the istiod image the Istio suite loads into the nodes.
@@ -165,26 +159,7 @@ func WriteIstiodImage(ctx context.Context, logf Logf, pilotDiscovery, out string
 	if err != nil {
 		return err
 	}
-	img, err := mutate.AppendLayers(empty.Image, base, bin)
-	if err != nil {
-		return err
-	}
-	cf, err := img.ConfigFile()
-	if err != nil {
-		return err
-	}
-	cf = cf.DeepCopy()
-	cf.OS, cf.Architecture = "linux", "amd64"
-	cf.Config.Entrypoint = []string{"/usr/local/bin/pilot-discovery"}
-	cf.Config.Env = []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
-	if img, err = mutate.ConfigFile(img, cf); err != nil {
-		return err
-	}
-	ref, err := name.ParseReference(IstiodImage)
-	if err != nil {
-		return err
-	}
-	return tarball.MultiRefWriteToFile(out, map[name.Reference]v1.Image{ref: img})
+	return writeImage(out, IstiodImage, imageConfig{Entrypoint: []string{"/usr/local/bin/pilot-discovery"}, Env: systemPath}, base, bin)
 }
 
 func isFile(p string) bool {

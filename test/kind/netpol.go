@@ -10,10 +10,7 @@ import (
 	"path/filepath"
 	"time"
 
-	"github.com/google/go-containerregistry/pkg/name"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
-	"github.com/google/go-containerregistry/pkg/v1/empty"
-	"github.com/google/go-containerregistry/pkg/v1/mutate"
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
 )
 
@@ -117,24 +114,5 @@ func WriteKubeRouterImage(ctx context.Context, logf Logf, rootfs, out string) er
 		return err
 	}
 	layers = append(layers, kr)
-	img, err := mutate.AppendLayers(empty.Image, layers...)
-	if err != nil {
-		return err
-	}
-	cf, err := img.ConfigFile()
-	if err != nil {
-		return err
-	}
-	cf = cf.DeepCopy()
-	cf.OS, cf.Architecture = "linux", "amd64"
-	cf.Config.Entrypoint = []string{"/usr/local/bin/kube-router"}
-	cf.Config.Env = []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
-	if img, err = mutate.ConfigFile(img, cf); err != nil {
-		return err
-	}
-	ref, err := name.ParseReference(KubeRouterImage)
-	if err != nil {
-		return err
-	}
-	return tarball.MultiRefWriteToFile(out, map[name.Reference]v1.Image{ref: img})
+	return writeImage(out, KubeRouterImage, imageConfig{Entrypoint: []string{"/usr/local/bin/kube-router"}, Env: systemPath}, layers...)
 }

@@ -9,10 +9,6 @@ import (
 	"path/filepath"
 	"time"
 
-	"github.com/google/go-containerregistry/pkg/name"
-	v1 "github.com/google/go-containerregistry/pkg/v1"
-	"github.com/google/go-containerregistry/pkg/v1/empty"
-	"github.com/google/go-containerregistry/pkg/v1/mutate"
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
 )
 
@@ -80,26 +76,7 @@ func writeToolboxImage(layerTar, out string) error {
 	if err != nil {
 		return err
 	}
-	img, err := mutate.AppendLayers(empty.Image, l)
-	if err != nil {
-		return err
-	}
-	cf, err := img.ConfigFile()
-	if err != nil {
-		return err
-	}
-	cf = cf.DeepCopy()
-	cf.OS, cf.Architecture = "linux", "amd64"
-	cf.Config.Env = []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
-	cf.Config.Cmd = []string{"sleep", "infinity"}
-	if img, err = mutate.ConfigFile(img, cf); err != nil {
-		return err
-	}
-	ref, err := name.ParseReference(ToolboxImage)
-	if err != nil {
-		return err
-	}
-	return tarball.MultiRefWriteToFile(out, map[name.Reference]v1.Image{ref: img})
+	return writeImage(out, ToolboxImage, imageConfig{Cmd: []string{"sleep", "infinity"}, Env: systemPath}, l)
 }
 
 // ToolboxPrograms are what a toolbox image must run (checked by the test
