@@ -103,14 +103,19 @@ func run(m *testing.M) int {
 		}
 		imgDone <- err
 	}()
-	release, err := kind.ClusterSlot(ctx, logf)
+	// The wait for the slot (the other suite's whole run, under go
+	// test ./...) is bounded by go test's -timeout, not by the bring-up's
+	// deadline, which starts once this suite has the slot.
+	release, err := kind.ClusterSlot(context.Background(), logf)
 	if err != nil {
 		<-imgDone
 		logf("FAIL: %v", err)
 		return 1
 	}
 	defer release() // after the cluster's deletion below
-	c, err := kind.UpBare(ctx, logf, name, dir)
+	upCtx, upCancel := context.WithTimeout(context.Background(), 50*time.Minute)
+	defer upCancel()
+	c, err := kind.UpBare(upCtx, logf, name, dir)
 	if ierr := <-imgDone; err == nil && ierr != nil {
 		err = ierr
 	}
@@ -129,7 +134,7 @@ func run(m *testing.M) int {
 	}()
 	if err == nil {
 		logf("cluster %s up in %s", name, time.Since(start).Round(time.Second))
-		err = installIstio(ctx, c, istiodTar)
+		err = installIstio(upCtx, c, istiodTar)
 	}
 	if err != nil {
 		logf("FAIL: bring up the kind cluster with istiod and meshtun: %v", err)
