@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"slices"
 	"strconv"
 	"strings"
 	"unique"
@@ -261,6 +262,13 @@ func (c *converter) service(in *workloadapi.Service) (*service, error) {
 			return nil, fmt.Errorf("service %s: ports[%d]: port %d → %d out of range", key, i, p.ServicePort, p.TargetPort)
 		}
 		sp := registry.ServicePort{Port: uint16(p.ServicePort), TargetPort: uint16(p.TargetPort)}
+		if slices.ContainsFunc(s.Ports, func(q registry.ServicePort) bool { return q.Port == sp.Port }) {
+			// WDS ports carry no protocol, and istiod lists a port once
+			// per protocol (kube-dns: 53/UDP and 53/TCP). The first
+			// listing is kept, as a service it is the same port; a
+			// second target for it could only be another protocol's.
+			continue
+		}
 		if p.TargetPort == 0 {
 			if out.unknownTarget == nil {
 				out.unknownTarget = map[uint16]bool{}

@@ -3,6 +3,7 @@ package xds
 import (
 	"errors"
 	"net/netip"
+	"slices"
 	"strings"
 	"testing"
 
@@ -232,5 +233,31 @@ func TestNativeTunnelNotCaptured(t *testing.T) {
 	in.NativeTunnel = true
 	if out, err = c.workload(in); err != nil || !out.w.InMesh || out.w.CapturedBy("n1") {
 		t.Errorf("a native-tunnel workload: %+v, %v; want in the mesh, captured by no node", out, err)
+	}
+}
+
+// A port istiod lists once per protocol (kube-dns: 53/UDP and 53/TCP;
+// WDS ports carry no protocol) is one service port: the service is kept
+// with it once, and the registry builds it (it used to drop kube-dns:
+// "port 53 listed twice", seen on kind under istiod).
+func TestServicePortListedPerProtocol(t *testing.T) {
+	c := &converter{td: spiffeid.RequireTrustDomainFromString("cluster.local"), network: "net1", root: "istio-system"}
+	in := &workloadapi.Service{Name: "kube-dns", Namespace: "kube-system", Hostname: "kube-dns.kube-system.svc.cluster.local",
+		Addresses: []*workloadapi.NetworkAddress{{Network: "net1", Address: netip.MustParseAddr("10.96.0.10").AsSlice()}},
+		Ports:     []*workloadapi.Port{{ServicePort: 53, TargetPort: 53}, {ServicePort: 53, TargetPort: 53}, {ServicePort: 9153, TargetPort: 9153}}}
+	s, err := c.service(in)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []registry.ServicePort{{Port: 53, TargetPort: 53}, {Port: 9153, TargetPort: 9153}}
+	if !slices.Equal(s.s.Ports, want) {
+		t.Fatalf("ports %+v, want %+v", s.s.Ports, want)
+	}
+	snap, err := registry.Build(registry.Model{TrustDomain: c.td, Services: []*registry.Service{s.s}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(snap.Services) != 1 {
+		t.Errorf("the registry kept %d services, want kube-dns", len(snap.Services))
 	}
 }
