@@ -256,7 +256,7 @@ func waitModel(b testing.TB, n *cluster.Node, workloads, services int, timeout t
 		// The dump of a large model is slow to serve on a busy machine:
 		// a failed read is retried until the deadline.
 		var dump struct{ Source modelStatus }
-		resp, err := hc.Get("http://127.0.0.1:15000/config_dump")
+		resp, err := hc.Get("http://127.0.0.1:15000/config_dump?format=meshtun")
 		if err == nil {
 			err = json.NewDecoder(resp.Body).Decode(&dump)
 			resp.Body.Close()

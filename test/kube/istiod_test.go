@@ -734,7 +734,7 @@ func TestIstiod(t *testing.T) {
 				Identity string `json:"identity"`
 			} `json:"certificates"`
 		}
-		getJSON(t, n2, "http://127.0.0.1:15000/config_dump", &dump)
+		getJSON(t, n2, "http://127.0.0.1:15000/config_dump?format=meshtun", &dump)
 		held := false
 		for _, c := range dump.Certificates {
 			held = held || c.Identity == spiffe("apps", "later")
