@@ -100,7 +100,7 @@ func BenchmarkSpeedTable(b *testing.B) {
 		// The first exchange also waits until the client is captured (the
 		// gate makes that immediate for new pods).
 		for deadline := time.Now().Add(time.Minute); ; {
-			_, err := tb.exec(ctx, "client", 20*time.Second, "/probe", "send", "-to", srv+":18080", "-msg", "warm-up")
+			_, err := probeExec(ctx, ns, 20*time.Second, "send", "-to", srv+":18080", "-msg", "warm-up")
 			if err == nil {
 				break
 			}
@@ -125,7 +125,7 @@ func BenchmarkSpeedTable(b *testing.B) {
 			mode string
 			r    *benchResult
 		}{{"rr", &row.rr}, {"crr", &row.crr}} {
-			out, err := tb.exec(ctx, "client", time.Minute, "/probe", "bench", "-to", srv+":18080", "-mode", m.mode, "-for", "5s")
+			out, err := probeExec(ctx, ns, time.Minute, "bench", "-to", srv+":18080", "-mode", m.mode, "-for", "5s")
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -152,4 +152,16 @@ func BenchmarkSpeedTable(b *testing.B) {
 			m.fwdGbps/p.fwdGbps, m.revGbps/p.revGbps, float64(m.rr.P50us)/float64(p.rr.P50us), m.crr.PerSec/p.crr.PerSec)
 	}
 	t.Log(tbl.String())
+}
+
+// probeExec runs /probe with args in the client pod's probe container
+// (the pod's first container is the toolbox).
+func probeExec(ctx context.Context, ns string, timeout time.Duration, args ...string) (string, error) {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	out, err := cl.Kubectl(ctx, append([]string{"-n", ns, "exec", "client", "-c", "probe", "--", "/probe"}, args...)...)
+	if err != nil {
+		return string(out), fmt.Errorf("/probe %s in %s/client: %w", strings.Join(args, " "), ns, err)
+	}
+	return string(out), nil
 }
