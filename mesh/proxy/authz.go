@@ -70,14 +70,10 @@ type tracked struct {
 	rec *record
 }
 
-func (t *tracker) add(az *authorized, abort func()) *tracked {
-	return t.addFrom(az, netip.Addr{}, abort)
-}
-
-func (t *tracker) addFrom(az *authorized, from netip.Addr, abort func()) *tracked {
-	return t.track(az, from, nil, abort)
-}
-
+// track adds an open connection: authorized by az (nil: no
+// authorization to re-check), opened by the local workload address from
+// (if any), described by rec for the admin views (nil: not listed), and
+// ended by abort.
 func (t *tracker) track(az *authorized, from netip.Addr, rec *record, abort func()) *tracked {
 	c := &tracked{az: az, abort: abort, from: from, rec: rec}
 	t.mu.Lock()

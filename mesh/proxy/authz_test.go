@@ -36,9 +36,9 @@ func TestReauthorize(t *testing.T) {
 		if err != nil {
 			t.Fatalf("port %d denied before any policy: %v", port, err)
 		}
-		p.open.add(az, func() { aborted[i].Add(1) })
+		p.open.track(az, netip.Addr{}, nil, func() { aborted[i].Add(1) })
 	}
-	p.open.add(nil, func() { aborted[2].Add(1) }) // passthrough
+	p.open.track(nil, netip.Addr{}, nil, func() { aborted[2].Add(1) }) // passthrough
 	if got := p.Reauthorize(); got != 0 {
 		t.Fatalf("Reauthorize with unchanged policies closed %d", got)
 	}
@@ -74,8 +74,8 @@ func TestDrain(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Two connections that finish by themselves.
-	a := p.open.add(nil, func() { t.Error("a connection that finished was aborted") })
-	b := p.open.add(nil, func() { t.Error("a connection that finished was aborted") })
+	a := p.open.track(nil, netip.Addr{}, nil, func() { t.Error("a connection that finished was aborted") })
+	b := p.open.track(nil, netip.Addr{}, nil, func() { t.Error("a connection that finished was aborted") })
 	done := make(chan int, 1)
 	go func() { done <- p.Drain(context.Background()) }()
 	p.open.remove(a)
@@ -99,7 +99,7 @@ func TestDrain(t *testing.T) {
 
 	// One that does not finish: aborted when the drain period ends.
 	var aborted atomic.Int32
-	c := p.open.add(nil, func() { aborted.Add(1) })
+	c := p.open.track(nil, netip.Addr{}, nil, func() { aborted.Add(1) })
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	if n := p.Drain(ctx); n != 1 || aborted.Load() != 1 {

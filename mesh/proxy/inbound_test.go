@@ -179,7 +179,7 @@ func TestReauthorizeStrict(t *testing.T) {
 				if err != nil {
 					t.Fatalf("plaintext to a PERMISSIVE workload: %v", err)
 				}
-				p.open.add(az, func() { *reset = true })
+				p.open.track(az, netip.Addr{}, nil, func() { *reset = true })
 			}
 			reg.Store(tc.snap)
 			p.Reauthorize()

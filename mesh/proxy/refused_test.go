@@ -80,8 +80,8 @@ func TestReauthorizeClosesRefusedWorkloadsConnections(t *testing.T) {
 		t.Fatal(err)
 	}
 	var fromClient, fromServer atomic.Int32
-	p.open.addFrom(nil, client11, func() { fromClient.Add(1) })
-	p.open.addFrom(nil, server12, func() { fromServer.Add(1) })
+	p.open.track(nil, client11, nil, func() { fromClient.Add(1) })
+	p.open.track(nil, server12, nil, func() { fromServer.Add(1) })
 	if got := p.Reauthorize(); got != 0 {
 		t.Fatalf("Reauthorize with nothing refused closed %d", got)
 	}
