@@ -84,7 +84,7 @@ func buildIstioCommand(ctx context.Context, logf Logf, cmdName, modName, pkg str
 	if err := os.MkdirAll(filepath.Dir(out), 0o755); err != nil {
 		return "", err
 	}
-	unlock, err := flockWait(ctx, filepath.Join(dir, "build.lock"))
+	unlock, err := lockFile(ctx, filepath.Join(dir, "build.lock"))
 	if err != nil {
 		return "", err
 	}

@@ -309,7 +309,8 @@ func tail(b []byte, n int) []byte {
 	return b
 }
 
-// lockFile takes an exclusive flock on path, waiting until ctx ends.
+// lockFile takes an exclusive flock on path, waiting until ctx ends
+// (test/kube takes the same kind of lock on the same build.lock).
 func lockFile(ctx context.Context, path string) (func(), error) {
 	f, err := os.OpenFile(path, os.O_CREATE|os.O_RDWR, 0o644)
 	if err != nil {

@@ -2,13 +2,11 @@ package kind
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"time"
 )
 
@@ -187,7 +185,7 @@ func ClusterSlot(ctx context.Context, logf Logf) (release func(), err error) {
 		return nil, err
 	}
 	start := time.Now()
-	release, err = flockWait(ctx, filepath.Join(cache, "cluster-slot.lock"))
+	release, err = lockFile(ctx, filepath.Join(cache, "cluster-slot.lock"))
 	if err != nil {
 		return nil, fmt.Errorf("wait for the kind cluster slot: %w", err)
 	}
@@ -195,29 +193,4 @@ func ClusterSlot(ctx context.Context, logf Logf) (release func(), err error) {
 		logf("waited %s for another suite's kind cluster", d.Round(time.Second))
 	}
 	return release, nil
-}
-
-// flockWait takes an exclusive flock on path (test/kube's build lock is
-// the same kind of lock on the same file).
-func flockWait(ctx context.Context, path string) (func(), error) {
-	f, err := os.OpenFile(path, os.O_CREATE|os.O_RDWR, 0o644)
-	if err != nil {
-		return nil, err
-	}
-	for {
-		err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
-		if err == nil {
-			return func() { syscall.Flock(int(f.Fd()), syscall.LOCK_UN); f.Close() }, nil
-		}
-		if !errors.Is(err, syscall.EWOULDBLOCK) {
-			f.Close()
-			return nil, fmt.Errorf("lock %s: %w", path, err)
-		}
-		select {
-		case <-ctx.Done():
-			f.Close()
-			return nil, ctx.Err()
-		case <-time.After(time.Second):
-		}
-	}
 }
