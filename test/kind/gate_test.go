@@ -84,10 +84,14 @@ func TestGateInitContainer(t *testing.T) {
 	name := createGatedPod(t, mesh, mesh.farNode, "init", marker)
 	ip := waitPodReady(t, mesh.ns, name)
 	// The client's node logs the exchange with the pod's address and both
-	// identities (the server's node may not know the new pod's address
-	// yet: it then names the tunnel's, the client node's address).
-	rec := waitAccess(t, mesh.farNode, ip,
-		"spiffe://cluster.local/ns/"+mesh.ns+"/sa/client", "spiffe://cluster.local/ns/"+mesh.ns+"/sa/server")
+	// identities.
+	client, server := "spiffe://cluster.local/ns/"+mesh.ns+"/sa/client", "spiffe://cluster.local/ns/"+mesh.ns+"/sa/server"
+	rec := waitAccess(t, mesh.farNode, ip, client, server)
+	// So does the server's node, although it may not know the new pod
+	// yet: the HBONE connection itself comes from the pod's address
+	// (decisions/2026-12-04-hbone-from-pod-address.md), which is the
+	// source it names; a node-address dial named the client node here.
+	waitAccess(t, mesh.serverNode, ip, client, server)
 	if n := capture.Seen(marker); n > 0 {
 		t.Errorf("the init container's marker crossed the kind network in plaintext in %d frames", n)
 	}
