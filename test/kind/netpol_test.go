@@ -254,12 +254,17 @@ func TestNetworkPolicy(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	// policySync is how long kube-router may take to apply a change: it
+	// follows an API watch and rewrites its iptables and ipsets, which
+	// took over a minute once in CI, with the other suite's builds on
+	// the same two cores.
+	const policySync = 3 * time.Minute
 	// refused waits until every client in from is refused, then checks it
 	// stays so for three more tries each.
 	refused := func(what string, from ...string) {
 		t.Helper()
 		for _, c := range from {
-			if err := eventually(time.Minute, func() error {
+			if err := eventually(policySync, func() error {
 				if send(ctx, ns, c, to, "MESHTUN-NETPOL-"+what) == nil {
 					return fmt.Errorf("%s → server:8080 still got through", c)
 				}
@@ -277,8 +282,9 @@ func TestNetworkPolicy(t *testing.T) {
 	allowed := func(what string, from ...string) {
 		t.Helper()
 		for _, c := range from {
-			if err := eventually(time.Minute, func() error { return send(ctx, ns, c, to, "MESHTUN-NETPOL-"+what) }); err != nil {
-				t.Fatalf("%s: %s → server:8080: %v", what, c, err)
+			start := time.Now()
+			if err := eventually(policySync, func() error { return send(ctx, ns, c, to, "MESHTUN-NETPOL-"+what) }); err != nil {
+				t.Fatalf("%s: %s → server:8080: %v (for %s)", what, c, err, time.Since(start).Round(time.Second))
 			}
 		}
 	}
